@@ -1,0 +1,76 @@
+"""Random-init tiny models (Llama-, Qwen3- and Gemma3-style) built in-process for tests: no downloads, ever.
+
+Each family keeps the structural features kvscope must handle: grouped-query attention (more query than KV
+heads), QK-norm (Qwen3, Gemma3) and mixed sliding-window / full layers (Gemma3). The tokenizer is a byte-level
+BPE with no merges plus chat special tokens, so any text round-trips and chat templates work.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+from models.errors import unknown_choice
+from models.loading import LoadedModel, choose_kernel
+
+TINY_FAMILIES = ("llama", "qwen3", "gemma3")
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<think>", "</think>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|eos|>{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(family: str = "llama", **overrides):
+    """A small config of `family`; `overrides` replace any field (e.g. num_hidden_layers=6)."""
+    vocab = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, pad_token_id=vocab - 7,
+        bos_token_id=vocab - 6, eos_token_id=vocab - 5, tie_word_embeddings=True,
+    )
+    if family == "llama":
+        config = LlamaConfig(**{**common, **overrides})
+    elif family == "qwen3":
+        config = Qwen3Config(**{**common, "attention_bias": False, **overrides})
+    elif family == "gemma3":
+        fields = {**common, "sliding_window": 16, "query_pre_attn_scalar": 16,
+                  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
+        fields.update(overrides)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            n = overrides["num_hidden_layers"]
+            fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+        config = Gemma3TextConfig(**fields)
+    else:
+        raise unknown_choice("tiny model family", family, TINY_FAMILIES)
+    return config
+
+
+def tiny_model(
+    family: str = "llama", *, seed: int = 0, attn_implementation: str | None = None, dtype=torch.float32, **overrides
+) -> LoadedModel:
+    """A random-init tiny model of `family`, deterministic for a given `seed`."""
+    config = tiny_config(family, **overrides)
+    kernel = choose_kernel(attn_implementation, torch.device("cpu"))
+    config._attn_implementation = kernel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
+    model.eval()
+    return LoadedModel(model, tiny_tokenizer(), f"tiny-{family}", f"random-init seed={seed}", 0.0, {"seed": seed})

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-init models (every family) and the real SmolLM2 / Gemma3-270M, loaded once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from models.loading import load_model  # noqa: E402
+from models.tiny import TINY_FAMILIES, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=TINY_FAMILIES)
+def tiny(request):
+    """A tiny model of each family (Llama, Qwen3, Gemma3 with sliding-window layers)."""
+    return tiny_model(request.param, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    return tiny_model("gemma3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default real model (SmolLM2-135M-Instruct), fp32 SDPA on CPU."""
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    return load_model("gemma3-270m", device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def data_dir():
+    """The offline benchmark data directory (CI points KVSCOPE_DATA_DIR at ../shared/data)."""
+    path = os.environ.get("KVSCOPE_DATA_DIR")
+    if not path:
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.join(here, "..", "..", "shared", "data")
+    return os.path.abspath(path)
