@@ -71,6 +71,7 @@ class ScoreInputs:
     attention: torch.Tensor | None = None  # [batch, kv_head, queries, candidates] probabilities, GQA group-averaged
     frozen: torch.Tensor | None = None  # [batch, kv_head, candidates] scores `observe` returned for these tokens
     state: dict[str, Any] = field(default_factory=dict)  # same per-(policy, layer) state `observe` saw
+    keep: int = 0  # how many candidates per (sequence, head) survive this round (VaSE splits it; most ignore it)
     generator: torch.Generator | None = None  # the run's seeded generator: random policies must use it
 
 
@@ -82,6 +83,9 @@ class Policy:
     deviations: ClassVar[str] = ""  # where this implementation departs from the paper, and why
     shared_across_heads: ClassVar[bool] = False  # one keep set for all KV heads of a layer
     scores_nothing: ClassVar[bool] = False  # `full`: the engine never evicts
+    # What the engine protects from eviction unless the run overrides it: "prompt" (whole prompt, the default of
+    # Random Attention and EpiKV's hidden-state/KV families), "sinks" (first few tokens, StreamingLLM / H2O) or "none".
+    default_protection: ClassVar[str] = "prompt"
 
     @property
     def needs(self) -> Needs:
