@@ -32,6 +32,8 @@ class Needs:
     values: bool = False
     hidden_layers: tuple[int, ...] = ()  # residual streams (blocks.{l}.hook_resid_post) read when tokens are produced
     attention: bool = False  # attention probabilities of (recent) queries over the cached keys
+    # ScoreInputs.cache_keys / cache_values (every resident slot, for cache means) of the kinds set by keys / values
+    cache: bool = False
     queries_window: int = 0  # how many recent queries the attention must cover (0 = every query since entry)
 
     @property
@@ -69,6 +71,7 @@ class ScoreInputs:
     cache_values: torch.Tensor | None = None
     cache_mask: torch.Tensor | None = None  # [batch, kv_head, slots] bool, False on padding slots
     attention: torch.Tensor | None = None  # [batch, kv_head, queries, candidates] probabilities, GQA group-averaged
+    query_positions: torch.Tensor | None = None  # [batch, queries] absolute positions of the attention's queries
     frozen: torch.Tensor | None = None  # [batch, kv_head, candidates] scores `observe` returned for these tokens
     state: dict[str, Any] = field(default_factory=dict)  # same per-(policy, layer) state `observe` saw
     keep: int = 0  # how many candidates per (sequence, head) survive this round (VaSE splits it; most ignore it)
@@ -95,8 +98,18 @@ class Policy:
         raise NotImplementedError
 
     def observe(self, inputs: ObserveInputs) -> torch.Tensor | None:
-        """Scores frozen at generation time, ``[batch, kv_head, new]``; None for policies that do not freeze."""
+        """Scores frozen at generation time, ``[batch, kv_head, new]``; None for policies that do not freeze.
+
+        A head axis of size 1 (a per-token score, e.g. from hidden states) broadcasts to every KV head.
+        """
         return None
+
+    def for_depth(self, n_layers: int) -> Policy:
+        """This policy for a model with `n_layers` decoder layers; the engine calls it before reading `needs`.
+
+        Depth-free policies return themselves; those whose layers are fractions of the depth (EpiKV) resolve them.
+        """
+        return self
 
     def config(self) -> dict[str, Any]:
         from dataclasses import asdict, is_dataclass

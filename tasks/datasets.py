@@ -1,0 +1,177 @@
+"""Benchmark problems (MATH-500, AIME-2024, GSM8K) as `Problem` records, from a file, a data directory or the hub.
+
+Where the problems come from, first match wins:
+
+1. ``data_file``: any JSONL file whose records carry a question field (``problem`` / ``question`` / ``Problem``)
+   and an answer field (``answer`` / ``Answer``); ids come from ``unique_id`` / ``id`` / ``ID`` or the line order.
+2. ``$KVSCOPE_DATA_DIR/<file>`` (``math500.jsonl``, ``aime24.jsonl``, ``gsm8k_test.jsonl``), the offline copies.
+3. The HuggingFace hub through the ``datasets`` library (the hub ids in `SOURCES`); offline, that is a `UsageError`.
+
+GSM8K answers are full solutions ending in ``#### <number>``; the gold is the number after the marker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import UsageError, unknown_choice
+from models.records import read_jsonl
+
+DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
+
+
+@dataclass(frozen=True)
+class HubSource:
+    path: str
+    config: str | None
+    split: str
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    filename: str  # the file looked up in $KVSCOPE_DATA_DIR
+    hub: tuple[HubSource, ...]  # tried in order
+
+
+SOURCES: dict[str, DatasetSpec] = {
+    spec.name: spec
+    for spec in (
+        DatasetSpec("math500", "math500.jsonl", (HubSource("HuggingFaceH4/MATH-500", None, "test"),)),
+        DatasetSpec(
+            "aime24",
+            "aime24.jsonl",
+            (HubSource("HuggingFaceH4/aime_2024", None, "train"), HubSource("Maxwell-Jia/AIME_2024", None, "train")),
+        ),
+        DatasetSpec("gsm8k", "gsm8k_test.jsonl", (HubSource("openai/gsm8k", "main", "test"),)),
+    )
+}
+DATASETS: tuple[str, ...] = tuple(SOURCES)
+
+QUESTION_FIELDS = ("problem", "question", "Problem", "Question")
+ANSWER_FIELDS = ("answer", "Answer")
+ID_FIELDS = ("unique_id", "id", "ID")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark problem. `answer` is the gold final answer (for GSM8K, the number after ``####``)."""
+
+    id: str
+    question: str
+    answer: str
+    dataset: str
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def gsm8k_gold(solution: str) -> str:
+    """The final answer of a GSM8K reference solution: the text after its last ``####``, thousands commas removed."""
+    if "####" not in solution:
+        raise ValueError("GSM8K solution has no '#### <answer>' line")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def load_problems(name: str, *, data_file: str | os.PathLike | None = None, limit: int | None = None) -> list[Problem]:
+    """The first `limit` problems of dataset `name` (all when `limit` is None), in the dataset's own order."""
+    if name not in SOURCES:
+        raise unknown_choice("dataset", name, DATASETS)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise UsageError(f"limit must be a positive integer, got {limit!r}")
+    spec = SOURCES[name]
+    if data_file is not None:
+        path = Path(data_file).expanduser()
+        if not path.is_file():
+            raise UsageError(f"data file {str(data_file)!r} does not exist")
+        rows, origin = _numbered(read_jsonl(path), limit), str(path)
+    elif (local := _data_dir_file(spec)) is not None:
+        rows, origin = _numbered(read_jsonl(local), limit), str(local)
+    else:
+        rows, origin = _from_hub(spec, limit)
+    problems = [_to_problem(row, number, name, origin) for number, row in rows]
+    _check_unique_ids(problems, origin)
+    return problems
+
+
+def resolve_source(name: str, data_file: str | os.PathLike | None = None) -> str:
+    """Where `load_problems(name, data_file=...)` reads from: a file path or ``hub:<id>`` (for run configs)."""
+    if name not in SOURCES:
+        raise unknown_choice("dataset", name, DATASETS)
+    if data_file is not None:
+        return str(Path(data_file).expanduser().resolve())
+    local = _data_dir_file(SOURCES[name])
+    return str(local) if local is not None else "hub:" + " or ".join(h.path for h in SOURCES[name].hub)
+
+
+def _data_dir_file(spec: DatasetSpec) -> Path | None:
+    directory = os.environ.get(DATA_DIR_ENV)
+    if not directory:
+        return None
+    path = Path(directory).expanduser() / spec.filename
+    return path if path.is_file() else None
+
+
+def _numbered(records, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
+    """(1-based record number, record) pairs, reading no further than `limit` records (errors beyond it never fire)."""
+    rows = []
+    for number, record in enumerate(records, start=1):
+        if limit is not None and len(rows) >= limit:
+            break
+        rows.append((number, record))
+    return rows
+
+
+def _from_hub(spec: DatasetSpec, limit: int | None) -> tuple[list[tuple[int, dict[str, Any]]], str]:
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(
+            f"dataset {spec.name!r}: no local copy (set {DATA_DIR_ENV} or pass --data-file) and the 'datasets' "
+            "package is not installed"
+        ) from None
+    failures = []
+    for source in spec.hub:
+        split = source.split if limit is None else f"{source.split}[:{limit}]"
+        try:
+            table = datasets.load_dataset(source.path, source.config, split=split)
+        except Exception as err:  # offline, missing repo, auth: the hub client raises many types
+            failures.append(f"{source.path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            continue
+        return list(enumerate((dict(row) for row in table), start=1)), f"hub:{source.path}"
+    offline = " (HF_HUB_OFFLINE=1 is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+    raise UsageError(
+        f"dataset {spec.name!r}: no local copy (set {DATA_DIR_ENV} to a directory holding {spec.filename} or pass "
+        f"--data-file) and the hub could not be read{offline}: {'; '.join(failures)}"
+    )
+
+
+def _first(record: dict[str, Any], fields: tuple[str, ...]) -> Any:
+    return next((record[f] for f in fields if record.get(f) is not None), None)
+
+
+def _to_problem(record: dict[str, Any], number: int, dataset: str, origin: str) -> Problem:
+    question, answer = _first(record, QUESTION_FIELDS), _first(record, ANSWER_FIELDS)
+    if question is None or answer is None:
+        missing = "a question field (" + "/".join(QUESTION_FIELDS) + ")" if question is None else (
+            "an answer field (" + "/".join(ANSWER_FIELDS) + ")"
+        )
+        raise UsageError(f"{origin}: record {number} has no {missing}")
+    answer = str(answer)
+    meta = {k: v for k, v in record.items() if k not in QUESTION_FIELDS + ANSWER_FIELDS}
+    if dataset == "gsm8k" and "####" in answer:
+        meta["solution"] = answer
+        answer = gsm8k_gold(answer)
+    raw_id = _first(record, ID_FIELDS)
+    problem_id = str(raw_id) if raw_id is not None else f"{dataset}-{number - 1}"
+    meta["source"] = origin
+    return Problem(id=problem_id, question=str(question), answer=answer.strip(), dataset=dataset, meta=meta)
+
+
+def _check_unique_ids(problems: list[Problem], origin: str) -> None:
+    seen: set[str] = set()
+    for problem in problems:
+        if problem.id in seen:
+            raise UsageError(f"{origin}: problem id {problem.id!r} appears more than once; ids must be unique")
+        seen.add(problem.id)
