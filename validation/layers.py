@@ -41,7 +41,7 @@ class BandSetup:
     """Which layered signals the bands are looked for in, and which transforms are the raw / detrended scores."""
 
     family: str
-    raw: str
+    raw: str | None
     detrended: str | None
     band: str
     window: int
@@ -93,12 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pick(kind: str, given: str | None, options: list[str], flag: str) -> str | None:
+    """`given` if it is one of `options`, else the only option (None when there is none)."""
     if given is not None:
         if given not in options:
             raise unknown_choice(kind, given, options)
         return given
     if len(options) > 1:
-        raise UsageError(f"several {kind}s ({', '.join(options)}); choose one with {flag}")
+        raise UsageError(f"more than one {kind} ({', '.join(options)}); choose one with {flag}")
     return options[0] if options else None
 
 
@@ -115,17 +116,18 @@ def resolve_setup(names: list[str], args: argparse.Namespace) -> BandSetup | Non
     transforms = sorted({p.transform for p in parsed if p.family == family and p.layer is not None})
     detrended_options = [t for t in transforms if t.startswith("z")]
     raw_options = [t for t in transforms if not t.startswith("z")]
-    if args.raw_transform is not None and args.raw_transform not in transforms:
-        raise unknown_choice(f"transform of {family!r}", args.raw_transform, transforms)
-    raw = _pick(f"raw transform of {family!r}", args.raw_transform, raw_options or transforms, "--raw-transform")
-    detrended = args.detrended_transform
-    if detrended is not None and detrended not in transforms:
-        raise unknown_choice(f"transform of {family!r}", detrended, transforms)
-    if detrended is None:
-        detrended = _pick(f"detrended transform of {family!r}", None, [t for t in detrended_options if t != raw],
-                          "--detrended-transform")
-    band = _pick(f"transform of {family!r}", args.band_transform or raw, transforms, "--band-transform")
-    digits = re.search(r"(\d+)$", raw)
+    for requested in (args.raw_transform, args.detrended_transform):
+        if requested is not None and requested not in transforms:
+            raise unknown_choice(f"transform of {family!r}", requested, transforms)
+    given = {args.raw_transform, args.detrended_transform}
+    raw = args.raw_transform or _pick(f"raw transform of {family!r}", None,
+                                      [t for t in raw_options if t not in given], "--raw-transform")
+    detrended = args.detrended_transform or _pick(f"detrended transform of {family!r}", None,
+                                                  [t for t in detrended_options if t not in given | {raw}],
+                                                  "--detrended-transform")
+    scored = raw or detrended  # at least one exists: every transform is either raw or detrended
+    band = _pick(f"transform of {family!r}", args.band_transform or scored, transforms, "--band-transform")
+    digits = re.search(r"(\d+)$", scored)
     window = args.window or (int(digits.group(1)) if digits else DEFAULT_WINDOW)
     return BandSetup(family, raw, detrended, band, window)
 
@@ -139,7 +141,7 @@ def _layer_columns(names: list[str], family: str, transform: str) -> dict[int, i
     return out
 
 
-def _combined_name(setup: BandSetup, transform: str) -> str:
+def _combined_name(setup: BandSetup, transform: str | None) -> str:
     return f"band:{setup.family}.{transform}"
 
 
@@ -152,7 +154,7 @@ def _positional_rows(rows: list[dict], combined_rows: list[dict], setup: BandSet
              for l in layers]
     combined = {r["signal"]: r for r in combined_rows}
     pairs.append(("combined", combined.get(_combined_name(setup, setup.raw)),
-                  combined.get(_combined_name(setup, setup.detrended or ""))))
+                  combined.get(_combined_name(setup, setup.detrended))))
     for layer, raw, det in pairs:
         if raw is None or det is None:
             continue
@@ -173,7 +175,8 @@ def analyse(aligned: Aligned, args: argparse.Namespace) -> dict:
             f"too few traces with varying labels for an interval: n_eff={n_informative} of {len(aligned.traces)} "
             "aligned traces (need n_eff > 3)"
         )
-    rows = signal_table(aligned, args.level, args.correction, args.alpha)
+    rows = sorted(signal_table(aligned, args.level, args.correction, args.alpha),
+                  key=lambda r: (r["layer"] is None, r["family"], r["transform"], r["layer"] or 0))
     setup = resolve_setup(aligned.names, args)
     result: dict = {"rows": rows, "setup": setup, "bands": [], "combined_rows": [], "policy": None}
     if setup is not None:
@@ -217,9 +220,8 @@ def _policy(result: dict, aligned: Aligned, args: argparse.Namespace) -> dict:
     setup: BandSetup = result["setup"]
     positive, negative = result["layers"]
     combined = {r["signal"]: r for r in result["combined_rows"]}
-    raw_row = combined.get(_combined_name(setup, setup.raw))
-    det_row = combined.get(_combined_name(setup, setup.detrended)) if setup.detrended else None
-    candidates = [("epikv_raw", raw_row), ("epikv", det_row)]
+    candidates = [("epikv_raw", combined.get(_combined_name(setup, setup.raw))),
+                  ("epikv", combined.get(_combined_name(setup, setup.detrended)))]
     candidates = [(p, r) for p, r in candidates if r is not None]
     # Scorer selection between the raw and detrended combined score: the higher within-trace rho wins (§3.2);
     # a tie goes to the detrended score, EpiKV's primary method.
@@ -275,7 +277,8 @@ def _print_summary(result: dict, args: argparse.Namespace, out) -> None:
     if not bands:
         print("  none: no layer is significant after correction; no policy configuration", file=out)
     for r in result["positional"]:
-        print(f"  positional l{r['layer']}: position rho raw {fmt(r['raw_position_rho'])} -> detrended "
+        where = r["layer"] if r["layer"] == "combined" else f"l{r['layer']}"
+        print(f"  positional {where}: position rho raw {fmt(r['raw_position_rho'])} -> detrended "
               f"{fmt(r['detrended_position_rho'])}; label rho raw {fmt(r['raw_label_rho'])} -> detrended "
               f"{fmt(r['detrended_label_rho'])}", file=out)
     if result["policy"]:

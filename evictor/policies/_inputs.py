@@ -27,7 +27,9 @@ def uniform(policy: Policy, inputs: ScoreInputs, shape: tuple[int, ...]) -> torc
     (0, 1] rather than [0, 1) so that log(u) is finite.
     """
     if inputs.generator is None:
-        raise ValueError(f"policy {policy.name!r} draws random numbers: ScoreInputs.generator must be the run's seeded generator")
+        raise ValueError(
+            f"policy {policy.name!r} draws random numbers: ScoreInputs.generator must be the run's seeded generator"
+        )
     draws = torch.rand(shape, generator=inputs.generator, device=inputs.generator.device)
     return (1.0 - draws).to(inputs.positions.device)
 

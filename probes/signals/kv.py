@@ -44,7 +44,9 @@ def vector_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(_as_float(x), dim=-1)
 
 
-def distance_to_mean(x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None) -> torch.Tensor:
+def distance_to_mean(
+    x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """``||x_j - mean(ref)||_2``: the mean is taken over `ref` (default: x itself), e.g. the whole resident cache."""
     anchor = masked_mean(x if ref is None else ref, ref_mask)
     return torch.linalg.vector_norm(_as_float(x) - anchor[..., None, :], dim=-1)

@@ -1,0 +1,516 @@
+"""The decode-time eviction engine: batched greedy/sampled generation over an `EvictingCache`, driving a `Policy`.
+
+One `Session` runs a batch of left-padded prompts: a chunked prefill in blocks of ``B`` (ValueDiff §2.2), then one
+token per step, with every forward given the tokens' true absolute positions (``position_ids``) and an eviction
+round (`evictor.protocol.plan_round`) after it. A round scores each layer's candidates with the policy and keeps,
+per (sequence, layer, KV head), the protected tokens, the recency window, the buffer and the top-scoring candidates,
+by a gather into the cache's preallocated storage. Budget semantics: `evictor.protocol`.
+
+Masks. Full-attention layers use HF's own mask builder fed with a 2D validity mask (None when nothing is padded):
+slots are right-aligned and appended in order, so HF's index-causal masks stay correct after any eviction.
+Sliding-window layers get, once some query could be out of a window, a per-head mask built from slot positions
+(`evictor.cache.position_mask`) swapped in by a forward pre-hook on their attention modules; and out-of-window
+candidates are evicted first there. FlashAttention-2 cannot take per-head masks, so it is refused for models with
+sliding-window layers.
+
+Policy plumbing: `Needs.keys/values/cache` -> views of the cache; `Needs.hidden_layers` -> a scoped
+`models.hooks.capture` of exactly those residual streams, passed to `policy.observe` after each forward, whose
+scores are stored per slot and handed back as `ScoreInputs.frozen`; `Needs.attention` -> an `evictor.attention`
+feed (eager weights or windowed recompute). Per-layer policy state lives in the session; random policies draw
+from its seeded generator.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from evictor.attention import AttentionFeed, EagerFeed, WindowFeed
+from evictor.cache import EvictingCache, position_mask
+from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
+from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
+from evictor.protocol import EvictionConfig, RoundPlan, plan_round, sequence_budgets
+from models.errors import UsageError
+from models.hooks import capture, decoder_layers, hook_name
+from models.loading import LoadedModel, attention_kernel
+from tasks.generation import stop_token_ids
+
+FROZEN = "frozen"
+_NEVER = 1 << 62  # the budget of a policy that never evicts
+
+
+def select_slots(priority: torch.Tensor, n_keep: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices for compaction: per (sequence, head) the `n_keep[b]` highest-priority slots of
+    ``priority [b, kv, S]``, in slot order and right-aligned into `slots` outputs; the left
+    ``slots - n_keep[b]`` outputs are padding. Returns ``(index [b, kv, slots], valid [b, kv, slots])``."""
+    top = priority.topk(slots, dim=-1).indices
+    keep = torch.arange(slots, device=priority.device) < n_keep[:, None, None]
+    key = torch.where(keep, top, -1).sort(dim=-1).values
+    return key.clamp_min(0), key >= 0
+
+
+@dataclass
+class SequenceResult:
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    finish_reason: str  # "eos" | "length"
+    budget: int | None  # effective K of this sequence (None: the policy never evicts)
+    protected: int  # positions below this were protected
+    rounds: int  # eviction rounds that removed tokens of this sequence (prefill blocks included)
+    cache_sizes: list[int]  # resident tokens attended over at each forward (prefill blocks, then decode steps)
+    keep_log: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class BatchResult:
+    sequences: list[SequenceResult]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class EvictionEngine:
+    """A model, a policy and a protocol (`EvictionConfig`); `generate` runs batches, `session` steps manually."""
+
+    def __init__(self, lm: LoadedModel, policy: Policy | str, config: EvictionConfig | None = None, **params: Any):
+        self.lm = lm
+        self.model = lm.model
+        self.config = config or EvictionConfig()
+        cfg = self.model.config
+        self.n_layers = cfg.num_hidden_layers
+        policy = get_policy(policy, **params) if isinstance(policy, str) else policy
+        if hasattr(policy, "for_depth"):
+            policy = policy.for_depth(self.n_layers)
+        self.policy = policy
+        self.needs = policy.needs
+        bad = [layer for layer in self.needs.hidden_layers if not 0 <= layer < self.n_layers]
+        if bad:
+            raise UsageError(f"policy {policy.name!r} reads hidden layers {bad}, outside 0..{self.n_layers - 1}")
+        self.protect = self.config.protect or policy.default_protection
+        self.shared = bool(policy.shared_across_heads or self.config.shared)
+        self.observes = type(policy).observe is not Policy.observe
+        self.kernel = attention_kernel(self.model)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        self.has_sliding = "sliding_attention" in layer_types
+        if self.kernel == "flash_attention_2" and self.has_sliding:
+            raise UsageError("flash_attention_2 cannot take the per-head sliding-window masks eviction needs; use sdpa")
+        self.attention_source: str | None = None
+        self.query_window: int | None = None
+        if self.needs.attention:
+            source = self.config.attention_source or ("eager" if self.kernel == "eager" else "window")
+            if source == "eager" and self.kernel != "eager":
+                raise UsageError(
+                    f"policy {policy.name!r} reads attention weights from the eager kernel, but the model runs "
+                    f"{self.kernel!r}; use --kernel eager or --attention-source window"
+                )
+            window = self.config.query_window or self.needs.queries_window
+            if source == "window" and window == 0:
+                window = max(1, self.config.buffer)  # "since entry" cannot be recomputed: the last r queries
+            self.attention_source, self.query_window = source, window
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.config(),
+            "protection": self.protect,
+            "shared_keep_sets": self.shared,
+            "kernel": self.kernel,
+            "attention_source": self.attention_source,
+            "query_window": self.query_window,
+            **self.config.to_dict(),
+        }
+
+    def session(
+        self, prompts: list[list[int]], budgets: list[int] | None = None, *, max_new_tokens: int = 0, seed: int | None = None
+    ) -> Session:
+        return Session(self, prompts, budgets, max_new_tokens, self.config.seed if seed is None else seed)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        budgets: list[int] | None = None,
+        temperature: float = 0.0,
+        ignore_eos: bool = False,
+        seed: int | None = None,
+    ) -> BatchResult:
+        """Generate up to `max_new_tokens` per prompt (greedy at temperature 0); `budgets` overrides K per prompt."""
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos = set() if ignore_eos else _eos_ids(self.lm)
+        with self.session(prompts, budgets, max_new_tokens=max_new_tokens, seed=seed) as session:
+            sampler = torch.Generator(device=session.device).manual_seed(session.seed + 1)
+            logits = session.prefill()
+            generated: list[list[int]] = [[] for _ in prompts]
+            finished = [False] * len(prompts)
+            session.begin_decode()
+            for index in range(max_new_tokens):
+                tokens = _pick(logits, temperature, sampler)
+                for seq, token in enumerate(tokens.tolist()):
+                    if not finished[seq]:
+                        generated[seq].append(token)
+                        finished[seq] = token in eos
+                if all(finished) or index == max_new_tokens - 1:
+                    break
+                logits = session.step(tokens)
+            session.end_decode()
+            reasons = ["eos" if done else "length" for done in finished]
+            return session.result(generated, reasons)
+
+
+def _eos_ids(lm: LoadedModel) -> set[int]:
+    """The same stop tokens as plain generation (`tasks.generation`): EOS ids and single-token chat end markers."""
+    return set(stop_token_ids(lm.tokenizer, lm.model))
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class Session:
+    """One batch in flight: cache, hooks, per-sequence counters, instrumentation. Use as a context manager."""
+
+    def __init__(self, engine: EvictionEngine, prompts, budgets, max_new_tokens: int, seed: int):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UsageError("every prompt needs at least one token")
+        self.engine = engine
+        self.model = engine.model
+        self.policy = engine.policy
+        self.config = config = engine.config
+        self.device = engine.lm.device
+        self.seed = seed
+        self.batch = batch = len(prompts)
+        self.prompts = [list(map(int, p)) for p in prompts]
+        self.prompt_lens = [len(p) for p in self.prompts]
+        self.never = engine.policy.scores_nothing
+        if self.never:
+            self.budgets, self.limits = [_NEVER] * batch, [0] * batch
+        else:
+            if budgets is None:
+                if config.fractional:
+                    raise UsageError("a fractional budget must be resolved per prompt (evictor.protocol.resolve_budget)")
+                budgets = [int(config.budget)] * batch
+            if len(budgets) != batch:
+                raise UsageError(f"{len(budgets)} budgets for {batch} prompts")
+            self.budgets, self.limits = sequence_budgets(budgets, self.prompt_lens, engine.protect, config)
+        width = max(self.prompt_lens)
+        self.pad = [width - n for n in self.prompt_lens]
+        self.block = width if self.never else config.block
+        steady = width + max_new_tokens if self.never else max(self.budgets) + 2 * config.buffer + self.block + 1
+        cfg = self.model.config
+        self.n_kv = cfg.num_key_value_heads
+        self.n_rep = cfg.num_attention_heads // self.n_kv
+        window = engine.query_window or 0
+        slot_tensors = {}
+        if self.engine.observes:
+            slot_tensors[FROZEN] = ((), torch.float32)
+        if engine.attention_source == "eager":
+            slot_tensors.update(EagerFeed.slot_tensors(window))
+        self.cache = EvictingCache(cfg, min(steady, width + max(max_new_tokens, 1)), slot_tensors)
+        self.feed: AttentionFeed | None = None
+        if engine.attention_source == "eager":
+            self.feed = EagerFeed(self.model, self.cache, window, batch, self.device)
+        elif engine.attention_source == "window":
+            self.feed = WindowFeed(self.model, self.cache, window, batch, self.device)
+        self.states: list[dict[str, Any]] = [{} for _ in range(engine.n_layers)]
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.n_valid = [0] * batch
+        self.next_pos = [0] * batch
+        self.step_index = 0
+        self.phase = "prefill"
+        self.rounds = [0] * batch
+        self.cache_sizes: list[list[int]] = [[] for _ in range(batch)]
+        self.peak_slots = 0
+        self.peak_live_bytes = 0
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.window_masks = False
+        self.pending: torch.Tensor | None = None
+        self.timer = SpanTimer(self.device)
+        self.memory = MemoryMeter(self.device)
+        self.keep_log = KeepLog(batch) if config.keep_log else None
+        self.wall: dict[str, float] = {}
+        self._stack = ExitStack()
+        pad_id = engine.lm.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else (engine.lm.tokenizer.eos_token_id or 0)
+        self.input_ids = torch.tensor(
+            [[pad_id] * p + prompt for p, prompt in zip(self.pad, self.prompts)], dtype=torch.long, device=self.device
+        )
+        self.input_positions = torch.tensor(
+            [[-1] * p + list(range(n)) for p, n in zip(self.pad, self.prompt_lens)], dtype=torch.int32, device=self.device
+        )
+
+    # --- context ---------------------------------------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        stack = self._stack
+        hidden = self.engine.needs.hidden_layers
+        if hidden:
+            names = {hook_name(layer, "hook_resid_post"): layer for layer in hidden}
+            stack.enter_context(
+                capture(self.model, list(names), callback=lambda name, t: self.hidden.__setitem__(names[name], t))
+            )
+        if self.feed is not None:
+            self.feed.install(stack)
+        if self.engine.has_sliding:
+            for index, block in enumerate(decoder_layers(self.model)):
+                if self.cache.layers[index].is_sliding:
+                    handle = block.self_attn.register_forward_pre_hook(self._sliding_mask_hook(index), with_kwargs=True)
+                    stack.callback(handle.remove)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _sliding_mask_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            if not self.window_masks:
+                return None
+            store = self.cache.layers[layer]
+            new = self.pending[:, None, :].expand(-1, self.n_kv, -1)
+            keys = new if store.positions is None else torch.cat([store.positions, new], dim=2)
+            dtype = kwargs["hidden_states"].dtype if "hidden_states" in kwargs else args[0].dtype
+            kwargs["attention_mask"] = position_mask(keys, self.pending, store.sliding_window, self.n_rep, dtype)
+            return args, kwargs
+
+        return hook
+
+    # --- forwards --------------------------------------------------------------------------------------------------
+    def prefill(self) -> torch.Tensor:
+        """Run the prompt in blocks (evicting at each boundary); returns the last position's logits ``[b, vocab]``."""
+        start_time = self._now()
+        width = self.input_ids.shape[1]
+        logits = None
+        for start in range(0, width, self.block):
+            end = min(start + self.block, width)
+            real = [max(0, end - max(start, pad)) for pad in self.pad]
+            logits = self._forward(self.input_ids[:, start:end], self.input_positions[:, start:end], real)
+            self._after_forward(boundary=True)
+        self.wall["prefill_s"] = self._now() - start_time
+        self.memory.sample()
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per sequence ``[b]`` at its next position; returns the next logits ``[b, vocab]``."""
+        self.step_index += 1
+        positions = torch.tensor(self.next_pos, dtype=torch.int32, device=self.device)[:, None]
+        logits = self._forward(tokens.view(-1, 1).to(self.device), positions, [1] * self.batch)
+        self._after_forward(boundary=False)
+        return logits
+
+    def begin_decode(self) -> None:
+        self.phase = "decode"
+        self._decode_start = self._now()
+
+    def end_decode(self) -> None:
+        self.wall["decode_s"] = self._now() - self._decode_start
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, real: list[int]) -> torch.Tensor:
+        n = ids.shape[1]
+        slots = self.cache.slots
+        self.pending = positions
+        self.cache.begin_forward(positions)
+        if self.feed is not None:
+            self.feed.begin_forward(positions)
+        self.window_masks = self.engine.has_sliding and max(p + r for p, r in zip(self.next_pos, real)) - 1 >= (
+            self.model.config.sliding_window or 0
+        )
+        self.hidden.clear()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions.clamp_min(0).long(),
+            attention_mask=self._padding_mask(slots, n, real),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for seq, count in enumerate(real):
+            self.n_valid[seq] += count
+            self.next_pos[seq] += count
+            self.cache_sizes[seq].append(self.n_valid[seq])
+        if self.cache.slots > self.peak_slots:
+            self.peak_slots = self.cache.slots
+            self.peak_live_bytes = self.cache.nbytes(live=True)
+        if self.feed is not None:
+            self.feed.end_forward()
+        if self.engine.observes:
+            with self.timer.span(f"{self.phase}.observe"):
+                self._observe(slots, positions)
+        return out.logits[:, -1]
+
+    def _padding_mask(self, slots: int, n: int, real: list[int]) -> torch.Tensor | None:
+        """2D validity mask ``[b, slots + n]`` for HF's mask builders, or None when nothing is padding."""
+        if all(v == slots for v in self.n_valid) and all(r == n for r in real):
+            return None
+        cached = torch.arange(slots, device=self.device)[None, :] >= torch.tensor(
+            [slots - v for v in self.n_valid], device=self.device
+        )[:, None]
+        return torch.cat([cached, self.pending >= 0], dim=1)
+
+    def _observe(self, start: int, positions: torch.Tensor) -> None:
+        needs = self.engine.needs
+        for layer, store in enumerate(self.cache.layers):
+            scores = self.policy.observe(
+                ObserveInputs(
+                    layer=layer,
+                    positions=positions.long(),
+                    keys=store.keys[:, :, start:] if needs.keys else None,
+                    values=store.values[:, :, start:] if needs.values else None,
+                    hidden=dict(self.hidden),
+                    state=self.states[layer],
+                )
+            )
+            if scores is not None:
+                frozen = store.extra[FROZEN]
+                frozen[..., start : store.length] = scores.float().expand(self.batch, self.n_kv, store.length - start)
+
+    # --- eviction --------------------------------------------------------------------------------------------------
+    def _after_forward(self, boundary: bool) -> None:
+        if self.never:
+            return
+        plan = plan_round(
+            slots=self.cache.slots,
+            n_valid=self.n_valid,
+            next_pos=self.next_pos,
+            limits=self.limits,
+            budgets=self.budgets,
+            buffer=self.config.buffer,
+            recency=self.config.recency,
+            trigger=self.config.trigger,
+            boundary=boundary,
+        )
+        if plan is not None:
+            self._evict(plan)
+
+    def _evict(self, plan: RoundPlan) -> None:
+        phase = self.phase
+        slots = self.cache.slots
+        lo, hi = plan.span
+        table = torch.tensor(
+            [self.n_valid, plan.cand_start, plan.cand_end, plan.triggered, plan.n_keep, self.next_pos],
+            dtype=torch.long,
+        ).to(self.device)
+        n_valid, start, end, triggered, n_keep, next_pos = table
+        column = torch.arange(slots, device=self.device)
+        inf = torch.tensor(float("inf"), device=self.device)
+        base = torch.where(column[None, :] >= (slots - n_valid)[:, None], inf, -inf)[:, None, :]  # [b, 1, S]
+        span = column[lo:hi]
+        candidate = ((span[None, :] >= start[:, None]) & (span[None, :] < end[:, None]) & triggered[:, None].bool())
+        context = {"base": base, "candidate": candidate[:, None, :], "n_keep": n_keep, "next_pos": next_pos}
+        keep = max(k for k, t in zip(plan.keep_cand, plan.triggered) if t)
+        if self.keep_log is not None:
+            self.keep_log.begin_round(self.step_index, self.next_pos)
+        with self.timer.span(f"{phase}.round"):
+            with self.timer.span(f"{phase}.score"):
+                picks = [self._select(layer, plan, context, keep) for layer in range(len(self.cache.layers))]
+            with self.timer.span(f"{phase}.compact"):
+                for store, (index, valid) in zip(self.cache.layers, picks):
+                    if self.keep_log is not None:
+                        self.keep_log.add(store.layer_idx, store.positions, index, valid)
+                    store.compact(index, valid)
+        self.n_valid = list(plan.n_keep)
+        self.rounds = [r + int(t) for r, t in zip(self.rounds, plan.triggered)]
+        self.memory.sample()
+
+    def _select(self, layer: int, plan: RoundPlan, context: dict, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        needs = self.engine.needs
+        store = self.cache.layers[layer]
+        lo, hi = plan.span
+        positions = store.positions[:, :, lo:hi]
+        shape = positions.shape
+        candidate = context["candidate"].expand(shape)
+        attention = query_positions = None
+        if needs.attention:
+            attention, query_positions = self.feed.rows(layer, lo, hi)
+        else:
+            assert self.feed is None, "an FA-compatible policy must never receive attention weights"
+        inputs = ScoreInputs(
+            layer=layer,
+            step=self.step_index,
+            positions=positions,
+            candidate_mask=candidate,
+            keys=store.keys[:, :, lo:hi] if needs.keys else None,
+            values=store.values[:, :, lo:hi] if needs.values else None,
+            cache_keys=store.keys if needs.cache and needs.keys else None,
+            cache_values=store.values if needs.cache and needs.values else None,
+            cache_mask=store.positions >= 0 if needs.cache else None,
+            attention=attention,
+            query_positions=query_positions,
+            frozen=store.slot_tensor(FROZEN)[:, :, lo:hi] if self.engine.observes else None,
+            state=self.states[layer],
+            keep=keep,
+            generator=self.generator,
+        )
+        scores = self.policy.score(inputs).float().expand(shape)
+        if self.engine.shared:
+            scores = scores.mean(1, keepdim=True).expand(shape)
+        info = torch.finfo(torch.float32)
+        scores = torch.nan_to_num(scores, nan=info.min, posinf=info.max, neginf=info.min)
+        if store.is_sliding:  # never attended again by any future query of this layer
+            stale = (context["next_pos"][:, None, None] - positions) >= store.sliding_window
+            scores = scores.masked_fill(stale, info.min)
+        priority = context["base"].expand(shape[0], shape[1], store.length).clone()
+        priority[:, :, lo:hi] = torch.where(candidate, scores, priority[:, :, lo:hi])
+        return select_slots(priority, context["n_keep"], plan.slots)
+
+    # --- results ---------------------------------------------------------------------------------------------------
+    def result(self, generated: list[list[int]], reasons: list[str]) -> BatchResult:
+        seconds = {
+            name: self.timer.seconds(name)
+            for name in ("prefill.round", "decode.round", "decode.score", "decode.compact", "decode.observe",
+                         "prefill.observe")
+        }
+        decode_s = self.wall.get("decode_s", 0.0)
+        decode_tokens = sum(max(0, len(g) - 1) for g in generated)
+        rounds = seconds["decode.round"]
+        round_s = float(sum(rounds))
+        stats = {
+            "batch_size": self.batch,
+            "prompt_tokens": list(self.prompt_lens),
+            "prefill_s": self.wall.get("prefill_s", 0.0),
+            "decode_s": decode_s,
+            "decode_steps": self.step_index,
+            "generated_tokens": sum(len(g) for g in generated),
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+            "decode_rounds": len(rounds),
+            "round_s": round_s,
+            "round_ms_mean": 1000 * round_s / len(rounds) if rounds else None,
+            "round_ms_median": 1000 * float(np.median(rounds)) if rounds else None,
+            "round_share": round_s / decode_s if decode_s > 0 else None,
+            "score_s": float(sum(seconds["decode.score"])),
+            "compact_s": float(sum(seconds["decode.compact"])),
+            "observe_s": float(sum(seconds["decode.observe"]) + sum(seconds["prefill.observe"])),
+            "prefill_rounds": len(seconds["prefill.round"]),
+            "prefill_round_s": float(sum(seconds["prefill.round"])),
+            "peak_slots": self.peak_slots,
+            "peak_cache_bytes": self.peak_live_bytes,
+            "cache_allocated_peak_bytes": self.cache.peak_allocated,
+            **self.memory.report(),
+            "attention_source": self.engine.attention_source,
+            "query_window": self.engine.query_window,
+            "attention_requests": 0 if self.feed is None else self.feed.requests,
+        }
+        sequences = [
+            SequenceResult(
+                prompt_ids=self.prompts[seq],
+                generated_ids=generated[seq],
+                finish_reason=reasons[seq],
+                budget=None if self.never else self.budgets[seq],
+                protected=self.limits[seq],
+                rounds=self.rounds[seq],
+                cache_sizes=self.cache_sizes[seq],
+                keep_log=self.keep_log.for_sequence(seq) if self.keep_log is not None else None,
+            )
+            for seq in range(self.batch)
+        ]
+        return BatchResult(sequences, stats)

@@ -1,0 +1,91 @@
+"""List the registered eviction policies: what each reads, FlashAttention compatibility, head sharing, default
+protection and citation.
+
+    python -m evictor.policies                 # one table row per policy
+    python -m evictor.policies --name epikv    # one policy in full (parameters, deviations)
+    python -m evictor.policies --json          # machine-readable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from evictor.policy import POLICIES, Policy, get_policy, policy_names
+from models.cli import main_guard
+from models.errors import unknown_choice
+
+
+def reads(policy: Policy) -> str:
+    """What the policy reads, from its `needs`."""
+    needs = policy.needs
+    parts = [kind for kind, wanted in (("keys", needs.keys), ("values", needs.values)) if wanted]
+    if needs.cache and parts:
+        parts[-1] += " + cache mean"
+    if needs.hidden_layers:
+        parts.append("hidden L" + ",".join(str(layer) for layer in needs.hidden_layers))
+    if needs.attention:
+        window = {0: "all queries since entry", 1: "last query"}.get(needs.queries_window)
+        window = window or f"last {needs.queries_window} queries"
+        parts.append(f"attention ({window})")
+    return "; ".join(parts) or "nothing beyond positions"
+
+
+def describe(name: str) -> dict[str, Any]:
+    policy = get_policy(name)
+    return {
+        "name": name,
+        "reads": reads(policy),
+        "fa_compatible": policy.needs.fa_compatible,
+        "heads": "shared" if policy.shared_across_heads else "per-head",
+        "protection": policy.default_protection,
+        "frozen_at_generation": type(policy).observe is not Policy.observe,
+        "evicts": not policy.scores_nothing,
+        "citation": policy.citation,
+        "deviations": policy.deviations,
+        "params": {key: value for key, value in policy.config().items() if key != "name"},
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    columns = [("name", "policy"), ("reads", "reads"), ("fa", "FA"), ("heads", "heads"),
+               ("protection", "protect"), ("citation", "citation")]
+    cells = [{**row, "fa": "yes" if row["fa_compatible"] else "no"} for row in rows]
+    widths = {key: max(len(title), *(len(str(cell[key])) for cell in cells)) for key, title in columns[:-1]}
+    lines = ["  ".join(title.ljust(widths.get(key, 0)) for key, title in columns).rstrip()]
+    for cell in cells:
+        lines.append("  ".join(str(cell[key]).ljust(widths.get(key, 0)) for key, _ in columns).rstrip())
+    return "\n".join(lines)
+
+
+def _run(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m evictor.policies",
+        description="List the registered KV-cache eviction policies. Columns: what the policy reads (keys, values, "
+        "the resident cache's mean, hidden-state layers, attention), FA = FlashAttention-compatible (never reads "
+        "attention), heads = one keep set per KV head or shared by all heads, protect = default protection "
+        "(prompt / sinks / none), citation = paper and equation.",
+    )
+    parser.add_argument("--name", help="show one policy in full: parameters, citation and deviations from the paper")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (a list of policies, or one object) instead of a table"
+    )
+    args = parser.parse_args(argv)
+
+    names = policy_names()
+    if args.name is not None and args.name not in POLICIES:
+        raise unknown_choice("policy", args.name, names)
+    if args.name is not None:
+        row = describe(args.name)
+        print(json.dumps(row, indent=2) if args.json else "\n".join(f"{key}: {value}" for key, value in row.items()))
+        return 0
+    rows = [describe(name) for name in names]
+    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    return 0
+
+
+main = main_guard(_run)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""EpiKV's attention-free policies, scored once when a token is produced and then frozen (EpiKV §3.2-3.3).
+
+Hidden-state family: ``g_l(t) = ||h_l(t) - h_l(t-1)||`` (h_l = blocks.{l}.hook_resid_post), smoothed causally and
+combined across two bands, Band A (positive, layer 10 of 32) minus Band B (negative, layer 21 of 32).
+KV-vector family: per-token variance of the key / value vector across the head dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from evictor.policies._inputs import broadcast_frozen, require
+from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, register_policy
+from models.errors import UsageError
+from probes.signals.hidden import RollingStats, hidden_diffs
+from probes.signals.kv import DEFAULT_LAG_CHUNK, LagNormaliser, head_dim_variance
+
+EPIKV = "EpiKV: epiphany-aware KV cache eviction"
+WINDOW = 64  # EpiKV's rolling window w (eq. 1)
+PAPER_DEPTH = 32  # DeepSeek-R1-Distill-Llama-8B, where the bands were measured
+PAPER_BANDS = ((10,), (21,))
+
+
+def scaled_layer(layer: int, n_layers: int) -> int:
+    """A layer of the 32-layer paper model moved to the same relative depth of an `n_layers` model (rounded)."""
+    return min(n_layers - 1, int(layer * n_layers / PAPER_DEPTH + 0.5))
+
+
+@dataclass
+class _RollingVariance(Policy):
+    """KV-key / KV-val: causal rolling-`window` mean of each token's variance across the head dimension."""
+
+    window: int = WINDOW
+    source: ClassVar[str] = "keys"
+    deviations = (
+        "Per KV head (the paper does not say whether heads are pooled); post-RoPE keys (the paper reports pre- vs "
+        "post-RoPE as a null result, App. 10). The rolling mean runs over one stream per (sequence, head)."
+    )
+    default_protection = "prompt"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise UsageError(f"{self.name}: window must be >= 1, got {self.window}")
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(keys=self.source == "keys", values=self.source == "values")
+
+    def observe(self, inputs: ObserveInputs) -> torch.Tensor:
+        (vectors,) = require(self, inputs, self.source)
+        batch, heads, new, _ = vectors.shape  # [batch, kv_head, new, d_head]
+        stats = inputs.state.setdefault("stats", RollingStats(self.window))
+        mean, _ = stats.add(head_dim_variance(vectors).reshape(batch * heads, new))
+        return mean.reshape(batch, heads, new)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return broadcast_frozen(self, inputs)
+
+
+@register_policy("kv_key")
+@dataclass
+class KVKey(_RollingVariance):
+    """KV-key: rolling-64 mean of the key vector's variance across the head dimension (EpiKV §3.3)."""
+
+    citation = f"{EPIKV}, §3.3 (KV-key): rolling-mean variance of the key vector across head dimension"
+
+
+@register_policy("kv_val")
+@dataclass
+class KVVal(_RollingVariance):
+    """KV-val: rolling-64 mean of the value vector's variance across the head dimension (EpiKV §3.3)."""
+
+    citation = f"{EPIKV}, §3.3 (KV-val): rolling-mean variance of the value vector across head dimension"
+    source: ClassVar[str] = "values"
+
+
+@register_policy("lag_kv")
+@dataclass
+class LagKV(Policy):
+    """Lag-KV: key and value vectors normalised per channel by the previous chunk's range, then
+    ``score = var_d(k~) + var_d(v~)`` (EpiKV §3.3; LagKV with the previous chunk instead of the next)."""
+
+    chunk: int = DEFAULT_LAG_CHUNK
+    citation = f"{EPIKV}, §3.3 (Lag-KV), after LagKV: previous-chunk per-channel range normalisation, then variance"
+    deviations = (
+        "The chunk size (64) is ours: the paper does not state it. Tokens of the first chunk, which has no previous "
+        "chunk, are normalised by the range of the tokens seen so far. Key and value variances are summed, per KV "
+        "head, with no rolling mean."
+    )
+    default_protection = "prompt"
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise UsageError(f"{self.name}: chunk must be >= 1, got {self.chunk}")
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(keys=True, values=True)
+
+    def observe(self, inputs: ObserveInputs) -> torch.Tensor:
+        keys, values = require(self, inputs, "keys", "values")
+        key_lag = inputs.state.setdefault("keys", LagNormaliser(self.chunk))
+        value_lag = inputs.state.setdefault("values", LagNormaliser(self.chunk))
+        return head_dim_variance(key_lag.add(keys)) + head_dim_variance(value_lag.add(values))
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return broadcast_frozen(self, inputs)
+
+
+@dataclass
+class _HiddenBands(Policy):
+    """Band A minus Band B of a causally smoothed hidden-state change, frozen when the token is produced.
+
+    Layers: `positive_layers` / `negative_layers` (tuples; each band's smoothed g is averaged over its layers). Left
+    unset they are layers 10 and 21 of the paper's 32-layer model moved to the same relative depth of an
+    `n_layers`-layer model (`for_depth`, which the engine calls with the model's depth; 30 layers -> 9 and 20).
+    Position 0 of a sequence has no predecessor (g undefined) and scores 0; it is a prompt token, protected by default.
+    """
+
+    positive_layers: tuple[int, ...] | None = None
+    negative_layers: tuple[int, ...] | None = None
+    window: int = WINDOW
+    n_layers: int = PAPER_DEPTH
+    shared_across_heads = True  # one score per token, read from the residual stream
+    default_protection = "prompt"
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.n_layers < 1:
+            raise UsageError(f"{self.name}: window and n_layers must be >= 1, got {self.window}, {self.n_layers}")
+        for band in ("positive_layers", "negative_layers"):
+            layers = getattr(self, band)
+            if layers is None:
+                continue
+            layers = (layers,) if isinstance(layers, int) else tuple(int(layer) for layer in layers)
+            if not layers or any(not 0 <= layer < self.n_layers for layer in layers):
+                raise UsageError(f"{self.name}: {band} {layers} must be non-empty layers in [0, {self.n_layers})")
+            setattr(self, band, layers)
+        positive, negative = self.bands
+        if set(positive) & set(negative):
+            raise UsageError(f"{self.name}: layers {sorted(set(positive) & set(negative))} are in both bands")
+
+    @property
+    def bands(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        default = [tuple(scaled_layer(layer, self.n_layers) for layer in band) for band in PAPER_BANDS]
+        positive = self.positive_layers if self.positive_layers is not None else default[0]
+        negative = self.negative_layers if self.negative_layers is not None else default[1]
+        return positive, negative
+
+    def for_depth(self, n_layers: int) -> Policy:
+        return replace(self, n_layers=n_layers)
+
+    @property
+    def needs(self) -> Needs:
+        positive, negative = self.bands
+        return Needs(hidden_layers=tuple(sorted({*positive, *negative})))
+
+    def smooth(self, stats: RollingStats, g: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def observe(self, inputs: ObserveInputs) -> torch.Tensor:
+        previous = inputs.state.setdefault("previous", {})  # layer -> [batch, d_model] h_l of the last token seen
+        stats = inputs.state.setdefault("stats", {})
+        smoothed = {}
+        for layer in self.needs.hidden_layers:
+            if layer not in inputs.hidden:
+                raise ValueError(f"policy {self.name!r} needs ObserveInputs.hidden[{layer}] (see its `needs`)")
+            hidden = inputs.hidden[layer]  # [batch, new, d_model]
+            g = hidden_diffs(hidden, previous.get(layer))
+            previous[layer] = hidden[:, -1]
+            smoothed[layer] = self.smooth(stats.setdefault(layer, RollingStats(self.window)), g)
+        positive, negative = self.bands
+        score = self._band_mean(smoothed, positive) - self._band_mean(smoothed, negative)
+        return torch.nan_to_num(score, nan=0.0)[:, None, :]  # [batch, 1, new]: the same score for every head
+
+    @staticmethod
+    def _band_mean(smoothed: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+        return torch.stack([smoothed[layer] for layer in layers]).mean(0)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return broadcast_frozen(self, inputs)
+
+
+@register_policy("epikv_raw")
+@dataclass
+class EpiKVRaw(_HiddenBands):
+    """EpiKV raw band score, eq. 1: ``s(t) = mean_w g_10(t) - mean_w g_21(t)``, causal rolling mean over w = 64."""
+
+    citation = f"{EPIKV}, §3.2 eq. 1: s(t) = g_bar_10(t) - g_bar_21(t), causal rolling mean over w = 64"
+    deviations = "Layers 10/21 of 32 are rescaled to other depths (see the class docstring)."
+
+    def smooth(self, stats: RollingStats, g: torch.Tensor) -> torch.Tensor:
+        return stats.add(g)[0]
+
+
+@register_policy("epikv")
+@dataclass
+class EpiKV(_HiddenBands):
+    """EpiKV, eq. 2: ``z_10(t) - z_21(t)`` with ``z_l(t) = (g_l(t) - mu_l(t)) / (sigma_l(t) + eps)`` over the
+    trailing window (causal rolling z-score; removes the positional trend of eq. 1)."""
+
+    citation = f"{EPIKV}, §3.2 eq. 2: z_10(t) - z_21(t), causal rolling z-score over w = 64"
+    deviations = "Layers 10/21 of 32 are rescaled to other depths (see the class docstring)."
+
+    def smooth(self, stats: RollingStats, g: torch.Tensor) -> torch.Tensor:
+        return stats.zscore(g)

@@ -1,0 +1,108 @@
+"""Figure 3: attention-sink rate vs sigma_V / sigma_K per model, with ValueDiff's Table 4 as reference (ValueDiff Fig. 1).
+
+    python -m figures.sink_ratio --input models.csv --out figs [--no-reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+
+from figures.cli import figure_main, figure_parser
+from figures.labels import label_points
+from figures.reference import VALUEDIFF_TABLE4_LABEL, valuediff_reference
+from figures.style import OKABE_ITO, REFERENCE_GREY, REFERENCE_TEXT, figure_style, new_figure
+from figures.tables import checked, require_range, require_unique
+from models.errors import UsageError
+
+FIGURE = "sink_ratio"
+RATIO_LABEL = r"$\sigma_V / \sigma_K$ (value spread / key spread)"
+
+
+def model_ratios(df: pd.DataFrame, figure: str) -> pd.DataFrame:
+    """Fill `ratio` from sigma_v / sigma_k where the table has no ratio column; check it is positive and finite."""
+    if "ratio" not in df.columns:
+        if not {"sigma_k", "sigma_v"} <= set(df.columns):
+            raise UsageError(f"{figure}: input needs a 'ratio' column or both 'sigma_k' and 'sigma_v'")
+        df = df.assign(ratio=df["sigma_v"] / df["sigma_k"])
+    bad = df[~np.isfinite(df["ratio"]) | (df["ratio"] <= 0)]
+    if not bad.empty:
+        raise UsageError(f"{figure}: sigma_V/sigma_K of model {bad.iloc[0]['model']!r} is {bad.iloc[0]['ratio']!r};"
+                         " it must be a positive number")
+    return df
+
+
+def mark_ratio_one(ax) -> None:
+    """The sigma_V = sigma_K boundary between key-dominant and value-dominant geometry."""
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=0.9, zorder=1)
+    for x, text, ha in ((0.985, "key-dominant ←", "right"), (1.015, "→ value-dominant", "left")):
+        ax.text(x, 1.0, text, transform=ax.get_xaxis_transform(), ha=ha, va="bottom", fontsize=9)
+
+
+def plot_sink_vs_ratio(data, *, reference: bool = True, title: str | None = None):
+    """Sink rate against sigma_V / sigma_K: our models as labelled blue points, ValueDiff Table 4 as grey points.
+
+    Input columns (one row per model):
+        model      str    label drawn next to the point
+        sink_rate  float  fraction of heads whose leading-token attention weight exceeds the threshold, in [0, 1]
+        ratio      float  sigma_V / sigma_K; computed from `sigma_v` / `sigma_k` when the column is absent
+        sigma_k, sigma_v  float  optional (needed only without `ratio`)
+    `reference=True` adds ValueDiff's 11 reported models in grey, labelled "ValueDiff Table 4 (reported)".
+    A dashed vertical line marks sigma_V / sigma_K = 1. Returns a Figure with one Axes.
+    """
+    df = checked(data, FIGURE, required=("model", "sink_rate"), numeric=("sink_rate", "ratio", "sigma_k", "sigma_v"),
+                 finite=("sink_rate",))
+    df["model"] = df["model"].astype(str)
+    require_unique(df, ("model",), FIGURE)
+    require_range(df, "sink_rate", 0.0, 1.0, FIGURE)
+    df = model_ratios(df, FIGURE)
+    ref = valuediff_reference() if reference else None
+
+    with figure_style():
+        fig, ax = new_figure()
+        mark_ratio_one(ax)
+        handles = [Line2D([], [], color=OKABE_ITO["blue"], marker="o", linestyle="none", markersize=8,
+                          markeredgecolor="black", label="measured (kvscope)")]
+        if ref is not None:
+            ax.scatter(ref["ratio"], ref["sink_rate"], s=36, facecolor="white", edgecolor=REFERENCE_GREY,
+                       linewidth=1.3, zorder=2)
+            handles.append(Line2D([], [], color=REFERENCE_GREY, marker="o", markerfacecolor="white",
+                                  linestyle="none", markeredgewidth=1.3, label=VALUEDIFF_TABLE4_LABEL))
+        ax.scatter(df["ratio"], df["sink_rate"], s=64, color=OKABE_ITO["blue"], edgecolor="black", linewidth=0.6,
+                   zorder=3)
+        ax.set_xlabel(RATIO_LABEL)
+        ax.set_ylabel("Sink rate (fraction of heads)")
+        ax.set_ylim(-0.05, 1.05)
+        ratios = pd.concat([df["ratio"], ref["ratio"]]) if ref is not None else df["ratio"]
+        ax.set_xlim(min(0.9, ratios.min()) - 0.15, max(1.1, ratios.max()) + 0.25)
+        if title:
+            ax.set_title(title)
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles))
+        ours = {"fontsize": 9, "color": OKABE_ITO["blue"], "fontweight": "bold"}
+        labels = [(r.ratio, r.sink_rate, r.model, ours) for r in df.itertuples()]
+        if ref is not None:
+            labels += [(r.ratio, r.sink_rate, r.model, REFERENCE_TEXT) for r in ref.itertuples()]
+        label_points(ax, labels, avoid_x=(1.0,))
+    return fig
+
+
+def _draw(table: pd.DataFrame, args: argparse.Namespace):
+    return plot_sink_vs_ratio(table, reference=not args.no_reference, title=args.title)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = figure_parser(FIGURE, "Attention-sink rate against sigma_V/sigma_K per model, with ValueDiff's "
+                           "reported Table 4 values as grey reference points.", FIGURE,
+                           "model, sink_rate, ratio (or sigma_k and sigma_v)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="leave out the grey ValueDiff Table 4 reference points")
+    return parser
+
+
+main = figure_main(build_parser(), _draw)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Model-driven measurements: one forward per calibration sequence, reduced layer by layer to KV-geometry statistics.
+
+A forward records each layer's queries, keys and values through the canonical hooks (pre-RoPE) and the
+``(cos, sin)`` rotary tables the layer's attention module receives; the module's own ``apply_rotary_pos_emb``
+then gives the post-RoPE queries and keys the attention kernel used. Each layer's attention is recomputed from
+those in chunks of query rows (`geometry.attention`), reduced to the statistics and discarded before the next
+layer, so no ``[layers, heads, T, T]`` tensor ever exists.
+
+Keys are the post-RoPE keys the KV cache stores (what KeyDiff-style eviction scores see) unless
+``key_space="pre_rope"``. The leading token is position 0, whatever the tokenizer put there (a BOS token for
+Gemma3; the first text token for SmolLM2, whose tokenizer adds no BOS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from geometry.attention import layer_attention
+from geometry.stats import bos_cosine, dispersion, jaccard_stability, leading_token_attention, query_positions
+from geometry.stats import top_singular_value
+from models.hooks import capture, decoder_layers, hook_name
+
+KEY_SPACES = ("post_rope", "pre_rope")
+FULL_ATTENTION = "full_attention"
+KV_FIELDS = ("sigma_k", "sigma_v", "bos_cos", "sigma1_k", "sigma1_v")  # per (layer, KV head)
+Q_FIELDS = ("alpha_bos", "jaccard")  # per (layer, query head)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    kind: str  # config.layer_types entry ("full_attention", "sliding_attention", ...)
+    window: int | None
+    scaling: float
+    softcap: float | None
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    topk: int = 256
+    n_queries: int = 128
+    key_space: str = "post_rope"
+    chunk: int = 256
+
+
+def layer_specs(model: nn.Module) -> list[LayerSpec]:
+    """What each layer's attention does, read from its attention module (transformers' own attributes)."""
+    config = model.config
+    kinds = getattr(config, "layer_types", None) or [FULL_ATTENTION] * config.num_hidden_layers
+    specs = []
+    for index, layer in enumerate(decoder_layers(model)):
+        attn = layer.self_attn
+        specs.append(
+            LayerSpec(
+                index=index,
+                kind=kinds[index],
+                window=getattr(attn, "sliding_window", None),
+                scaling=float(attn.scaling),
+                softcap=getattr(attn, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None),
+            )
+        )
+    return specs
+
+
+def weight_norms(model: nn.Module) -> dict[str, list]:
+    """Data-free spectral norms of each layer's k_proj / v_proj weights, whole and per KV-head block of rows.
+
+    Returns ``w_k``, ``w_v`` (``[layer]``) and ``w_k_head``, ``w_v_head`` (``[layer][kv_head]``). QK-norm scales
+    applied after k_proj (Qwen3, Gemma3) are not part of these matrices.
+    """
+    n_kv = model.config.num_key_value_heads
+    norms: dict[str, list] = {"w_k": [], "w_v": [], "w_k_head": [], "w_v_head": []}
+    for layer in decoder_layers(model):
+        for name, proj in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj)):
+            weight = proj.weight.detach().double()  # [kv_head * d_head, d_model]
+            norms[f"w_{name}"].append(torch.linalg.matrix_norm(weight, ord=2).item())
+            blocks = weight.view(n_kv, -1, weight.shape[-1])  # [kv_head, d_head, d_model]
+            norms[f"w_{name}_head"].append(torch.linalg.matrix_norm(blocks, ord=2).tolist())
+    return norms
+
+
+@contextlib.contextmanager
+def _rotary_tables(model: nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Record the (cos, sin) each attention module is called with; Gemma3 uses different tables per layer kind."""
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def recorder(index):
+        def hook(module, args, kwargs):
+            tables[index] = kwargs["position_embeddings"]
+
+        return hook
+
+    handles = [
+        layer.self_attn.register_forward_pre_hook(recorder(index), with_kwargs=True)
+        for index, layer in enumerate(decoder_layers(model))
+    ]
+    try:
+        yield tables
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Run one forward on ``input_ids`` ``[1, T]`` and yield, layer by layer, the tensors attention used.
+
+    Each item is ``(layer, {"q": [q_head, T, d] post-RoPE, "k": [kv_head, T, d] post-RoPE,
+    "k_pre": [kv_head, T, d] pre-RoPE, "v": [kv_head, T, d]})``. A layer's tensors are dropped once the next is
+    requested.
+    """
+    n_layers = model.config.num_hidden_layers
+    points = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+    names = [hook_name(layer, point) for layer in range(n_layers) for point in points]
+    with torch.no_grad(), _rotary_tables(model) as tables, capture(model, names) as captured:
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    layers = decoder_layers(model)
+    for layer in range(n_layers):
+        attn = layers[layer].self_attn
+        apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        q, k, v = (captured[hook_name(layer, point)] for point in points)
+        cos, sin = tables[layer]
+        q_rot, k_rot = apply_rotary(q, k, cos, sin)
+        for point in points:
+            captured.calls(hook_name(layer, point)).clear()
+        yield layer, {"q": q_rot[0], "k": k_rot[0], "k_pre": k[0], "v": v[0]}
+
+
+def measure_sequence(model: nn.Module, input_ids: torch.Tensor, settings: MeasureSettings) -> dict[str, list]:
+    """All per-head statistics of one calibration sequence ``[1, T]``.
+
+    Returns lists indexed ``[layer][kv_head]`` for `KV_FIELDS` and ``[layer][q_head]`` for `Q_FIELDS`
+    (``jaccard`` is the mean positional stability over the sampled queries; None where no pair is defined, e.g.
+    a sliding window shorter than k).
+    """
+    n_tokens = input_ids.shape[-1]
+    sampled = query_positions(n_tokens, settings.topk, settings.n_queries)
+    specs = layer_specs(model)
+    result: dict[str, list] = {name: [] for name in KV_FIELDS + Q_FIELDS}
+    for layer, tensors in attention_inputs(model, input_ids):
+        spec = specs[layer]
+        keys = (tensors["k"] if settings.key_space == "post_rope" else tensors["k_pre"]).float()
+        values = tensors["v"].float()
+        result["sigma_k"].append(dispersion(keys).tolist())
+        result["sigma_v"].append(dispersion(values).tolist())
+        result["bos_cos"].append(bos_cosine(keys).tolist())
+        result["sigma1_k"].append(top_singular_value(keys).tolist())
+        result["sigma1_v"].append(top_singular_value(values).tolist())
+        attention = layer_attention(
+            tensors["q"], tensors["k"], scaling=spec.scaling, sampled=sampled, window=spec.window,
+            softcap=spec.softcap, chunk=settings.chunk,
+        )
+        result["alpha_bos"].append(leading_token_attention(attention.first_column, spec.window).tolist())
+        stability = jaccard_stability(attention.sampled_logits, sampled, settings.topk, spec.window)
+        per_head = stability.nanmean(dim=-1)
+        result["jaccard"].append([None if value != value else value for value in per_head.tolist()])
+    return result

@@ -1,0 +1,173 @@
+"""The policy contract, checked for every registered policy on synthetic inputs built from its own `needs`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from evictor.policy import POLICIES, Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
+
+B, H, D, D_MODEL, T, PROMPT = 2, 3, 8, 16, 48, 32
+FIRST, BUFFER = 4, 8  # candidates are positions FIRST .. T-BUFFER-1 (sinks before, the recent buffer after)
+PADDING = 3  # sequence 1 has 3 padding candidate slots and 2 padding cache slots
+DEPTH = 8
+KEEP = 12
+
+
+@dataclass
+class Stream:
+    keys: torch.Tensor  # [batch, kv_head, T, d_head], different per head
+    values: torch.Tensor
+    hidden: dict[int, torch.Tensor]  # layer -> [batch, T, d_model]
+
+
+def make_stream(needs: Needs, seed: int = 0, dtype: torch.dtype = torch.float32) -> Stream:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, T, D, generator=gen)
+    values = torch.randn(B, H, T, D, generator=gen) * torch.linspace(0.5, 2.0, T)[:, None]
+    hidden = {layer: torch.randn(B, T, D_MODEL, generator=gen).cumsum(1).to(dtype) for layer in needs.hidden_layers}
+    return Stream(keys.to(dtype), values.to(dtype), hidden)
+
+
+def observe_all(policy: Policy, stream: Stream, state: dict) -> torch.Tensor | None:
+    """Feed the prompt as one block, then one token per decode step, as the engine does; scores per position."""
+    needs = policy.needs
+    blocks = [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, T)]
+    outputs = []
+    for start, stop in blocks:
+        inputs = ObserveInputs(
+            layer=0,
+            positions=torch.arange(start, stop).expand(B, -1),
+            keys=stream.keys[:, :, start:stop] if needs.keys else None,
+            values=stream.values[:, :, start:stop] if needs.values else None,
+            hidden={layer: h[:, start:stop] for layer, h in stream.hidden.items()},
+            state=state,
+        )
+        out = policy.observe(inputs)
+        if out is None:
+            return None
+        assert out.dim() == 3 and out.shape[0] == B and out.shape[1] in (1, H) and out.shape[2] == stop - start
+        outputs.append(out)
+    return torch.cat(outputs, dim=-1).expand(B, H, T)
+
+
+def score_inputs(policy: Policy, stream: Stream, seed: int = 0) -> ScoreInputs:
+    needs = policy.needs
+    state: dict = {}
+    frozen_all = observe_all(policy, stream, state)
+    positions = torch.arange(FIRST, T - BUFFER).expand(B, H, -1).clone()  # [batch, kv_head, candidates]
+    mask = torch.ones_like(positions, dtype=torch.bool)
+    mask[1, :, -PADDING:] = False
+    positions[1, :, -PADDING:] = 0
+    cache_mask = torch.ones(B, H, T, dtype=torch.bool)
+    cache_mask[1, :, -2:] = False
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(2, positions[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+    attention = query_positions = None
+    if needs.attention:
+        queries = needs.queries_window or T
+        query_positions = torch.arange(T - queries, T).expand(B, -1)
+        logits = torch.randn(B, H, queries, T, generator=torch.Generator().manual_seed(seed + 1))
+        causal = torch.arange(T)[None, :] > query_positions[0][:, None]  # [queries, T]
+        probs = logits.masked_fill(causal, float("-inf")).softmax(-1).to(stream.keys.dtype)
+        attention = probs.gather(3, positions[:, :, None, :].expand(-1, -1, queries, -1))
+    return ScoreInputs(
+        layer=0,
+        step=T - PROMPT,
+        positions=positions,
+        candidate_mask=mask,
+        keys=gather(stream.keys) if needs.keys else None,
+        values=gather(stream.values) if needs.values else None,
+        cache_keys=stream.keys if needs.cache and needs.keys else None,
+        cache_values=stream.values if needs.cache and needs.values else None,
+        cache_mask=cache_mask if needs.cache else None,
+        attention=attention,
+        query_positions=query_positions,
+        frozen=None if frozen_all is None else frozen_all.gather(2, positions),
+        state=state,
+        keep=KEEP,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def run(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Policy, ScoreInputs, torch.Tensor]:
+    policy = get_policy(name).for_depth(DEPTH)
+    inputs = score_inputs(policy, make_stream(policy.needs, dtype=dtype), seed)
+    return policy, inputs, policy.score(inputs)
+
+
+def test_registry_holds_the_25_policies():
+    assert sorted(policy_names()) == sorted([
+        "full", "streaming_llm", "recency", "random", "random_unprotected", "random_shared",
+        "keynorm", "keydiff", "manifoldkv", "valuediff", "valuediff_dir", "valuediff_norm",
+        "kv_key", "kv_val", "lag_kv", "epikv_raw", "epikv",
+        "h2o", "tova", "snapkv", "r_kv", "vase", "fastcaote", "raas", "longflow",
+    ])
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_metadata(name):
+    policy = get_policy(name)
+    assert isinstance(policy, POLICIES[name]) and policy.name == name
+    assert policy.citation, "every policy cites its paper and equation"
+    assert policy.default_protection in ("prompt", "sinks", "none")
+    assert policy.needs.queries_window >= 0
+    assert policy.needs.cache <= (policy.needs.keys or policy.needs.values), "cache means need keys or values"
+    json.dumps(policy.config())  # saved with every run's config
+    assert policy.config()["name"] == name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", policy_names())
+def test_score_shape_finite_and_deterministic(name, dtype):
+    """Half-precision caches (bf16 on GPUs) are scored in float32."""
+    policy, inputs, scores = run(name, dtype=dtype)
+    assert scores.shape == (B, H, T - FIRST - BUFFER)
+    assert scores.dtype in (torch.float32, torch.float64)
+    assert torch.isfinite(scores[inputs.candidate_mask]).all()
+    _, _, again = run(name, dtype=dtype)  # fresh state, a generator seeded the same way
+    assert torch.equal(scores, again)
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_per_head_or_shared(name):
+    policy, inputs, scores = run(name)
+    if policy.scores_nothing:
+        return
+    real = inputs.candidate_mask[:, 0]
+    same = [torch.equal(scores[:, 0][real], scores[:, h][real]) for h in range(1, H)]
+    if policy.shared_across_heads:
+        assert all(same), "a shared policy gives every KV head the same scores"
+    else:
+        assert not any(same), "a per-head policy scores heads with different K/V/attention differently"
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_fa_compatibility_is_exactly_not_reading_attention(name):
+    policy = get_policy(name)
+    if policy.needs.fa_compatible:
+        assert policy.needs.attention is False
+        _, inputs, _ = run(name)
+        assert inputs.attention is None  # it scored without any attention map
+    else:
+        stream = make_stream(policy.needs)
+        inputs = score_inputs(policy, stream)
+        inputs.attention = None
+        with pytest.raises(ValueError, match="ScoreInputs.attention"):
+            policy.score(inputs)
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if n not in ("full",)])
+def test_scores_depend_on_what_the_policy_reads(name):
+    """Changing the generator seed and the K/V/hidden/attention data changes the scores, unless the policy reads
+    only positions (then nothing may change)."""
+    policy = get_policy(name).for_depth(DEPTH)
+    first = policy.score(score_inputs(policy, make_stream(policy.needs, seed=0), seed=0))
+    second = policy.score(score_inputs(policy, make_stream(policy.needs, seed=5), seed=5))
+    position_only = name in ("recency", "streaming_llm")
+    assert torch.equal(first, second) == position_only

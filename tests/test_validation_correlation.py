@@ -1,0 +1,111 @@
+"""validation.correlation: pooled vs within-trace rho, n_eff = traces, positional check, per-group correction."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from statsmodels.stats.multitest import multipletests
+
+from validation.correlation import informative_traces, pooled, rank_scorers, signal_table, within_trace
+from validation.signals import Aligned, AlignedTrace
+from validation.stats import fisher_z_interval
+
+
+def _aligned(names, traces):
+    """traces: list of (labels [T], values [T, S]); positions start at 100."""
+    return Aligned(
+        list(names),
+        [AlignedTrace(f"t{i}", 100 + np.arange(len(lab)), np.asarray(lab, float), np.asarray(val, float).reshape(
+            len(lab), -1)) for i, (lab, val) in enumerate(traces)],
+        [],
+    )
+
+
+def test_within_trace_mean_by_hand():
+    up, down = [1, 2, 3, 4], [4, 3, 2, 1]
+    labels = [0, 0, 1, 1]
+    # Pearson([1,2,3,4], [1.5,1.5,3.5,3.5]) = 2 / sqrt(5); the constant-label trace has no rho and is left out.
+    aligned = _aligned(["s"], [(labels, up), (labels, up), (labels, down), (labels, up), ([1, 1, 1, 1], up),
+                               (labels, up)])
+    result = within_trace(aligned)
+    r = 2 / math.sqrt(5)
+    assert result.rho[0] == pytest.approx((4 * r - r) / 5)
+    assert result.n_eff[0] == 5
+    assert result.sd[0] == pytest.approx(np.std([r, r, -r, r, r], ddof=1))
+    lo, hi = fisher_z_interval(result.rho[0], 5)
+    assert (result.lo[0], result.hi[0]) == pytest.approx((float(lo), float(hi)))
+    assert informative_traces(aligned) == 5
+
+
+def test_n_eff_counts_traces_not_tokens():
+    rng = np.random.default_rng(0)
+    traces = []
+    for _ in range(6):
+        lab = (rng.random(500) < 0.3).astype(float)
+        traces.append((lab, lab + rng.normal(size=500)))
+    aligned = _aligned(["s"], traces)
+    for result in (within_trace(aligned), pooled(aligned)):
+        assert result.n_eff[0] == 6  # not 3000 tokens
+        lo, hi = fisher_z_interval(result.rho[0], 6)
+        assert (result.lo[0], result.hi[0]) == pytest.approx((float(lo), float(hi)))
+    # With 3000 "independent" tokens the interval would be ~20x narrower; ours is the trace-level width.
+    assert within_trace(aligned).hi[0] - within_trace(aligned).lo[0] > 0.3
+
+
+def test_pooled_overstates_when_structure_is_across_traces():
+    # Trace i has a signal offset i and an important fraction rising with i, but no within-trace relation
+    # (EpiKV §3.2: the aggregate rho is driven partly by cross-problem structure).
+    rng = np.random.default_rng(1)
+    traces = []
+    for i in range(10):
+        lab = (rng.random(200) < 0.05 + 0.09 * i).astype(float)
+        traces.append((lab, i + rng.random(200) * 0.5))
+    aligned = _aligned(["s"], traces)
+    assert pooled(aligned).rho[0] > 0.3
+    assert abs(within_trace(aligned).rho[0]) < 0.05
+
+
+def test_position_rho_detects_a_trend_and_detrending_removes_it():
+    rng = np.random.default_rng(2)
+    traces = []
+    for _ in range(8):
+        lab = (rng.random(300) < 0.3).astype(float)
+        noise = rng.normal(size=300)
+        trend = np.linspace(0, 5, 300)
+        traces.append((lab, np.column_stack([trend + noise, noise])))
+    aligned = _aligned(["raw", "detrended"], traces)
+    position = within_trace(aligned, "position")
+    assert position.rho[0] > 0.8
+    assert abs(position.rho[1]) < 0.05
+    assert position.n_eff.tolist() == [8, 8]
+
+
+def test_signal_table_corrects_within_each_layer_family():
+    rng = np.random.default_rng(3)
+    names = ["g.l0.roll64", "g.l1.roll64", "g.l2.roll64", "g.l0.z64", "h2o"]
+    traces = []
+    for _ in range(12):
+        lab = (rng.random(100) < 0.4).astype(float)
+        cols = [lab * w + rng.normal(size=100) for w in (3.0, 0.2, 0.0, 0.5, 0.1)]
+        traces.append((lab, np.column_stack(cols)))
+    rows = signal_table(_aligned(names, traces), correction="holm")
+    by = {r["signal"]: r for r in rows}
+    roll = [by[n]["within_p"] for n in names[:3]]
+    expected = multipletests(roll, method="holm")[1]
+    assert [by[n]["within_p_adj"] for n in names[:3]] == pytest.approx(expected)
+    # A family of one is not corrected.
+    assert by["g.l0.z64"]["within_p_adj"] == pytest.approx(by["g.l0.z64"]["within_p"])
+    assert by["h2o"]["within_p_adj"] == pytest.approx(by["h2o"]["within_p"])
+    assert by["g.l0.roll64"]["within_significant"] and not by["g.l2.roll64"]["within_significant"]
+    assert by["g.l1.roll64"]["layer"] == 1 and by["h2o"]["layer"] is None
+    assert all(r["n_tokens"] == 1200 and r["within_n_eff"] == 12 for r in rows)
+    ranked = [r["signal"] for r in rank_scorers(rows)]
+    assert ranked[0] == "g.l0.roll64" and ranked[1] == "g.l0.z64"
+
+
+def test_rank_scorers_puts_undefined_last():
+    rows = [{"signal": "a", "within_rho": float("nan")}, {"signal": "b", "within_rho": -0.2},
+            {"signal": "c", "within_rho": 0.1}]
+    assert [r["signal"] for r in rank_scorers(rows)] == ["c", "b", "a"]
