@@ -119,7 +119,7 @@ def resolve_budget(budget: float, reference_length: int) -> int:
     """Tokens of a budget: an integer budget as is, a fraction ``f`` as ``ceil(f * reference_length)`` (>= 1)."""
     if budget >= 1:
         return int(budget)
-    return max(1, math.ceil(budget * reference_length))
+    return max(1, math.ceil(round(budget * reference_length, 6)))  # round: 0.3 * 10 must give 3, not 4
 
 
 def protection_limit(protect: str, prompt_len: int, n_sinks: int) -> int:
@@ -128,7 +128,11 @@ def protection_limit(protect: str, prompt_len: int, n_sinks: int) -> int:
 
 
 def sequence_budgets(
-    budgets: Sequence[int], prompt_lens: Sequence[int], protect: str, config: EvictionConfig
+    budgets: Sequence[int],
+    prompt_lens: Sequence[int],
+    protect: str,
+    config: EvictionConfig,
+    names: Sequence[str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Per-sequence effective budget K_b and protection limit, applying `budget_scope` and `on_long_prompt`.
 
@@ -137,13 +141,14 @@ def sequence_budgets(
     """
     out_budgets, limits = [], []
     for index, (budget, prompt_len) in enumerate(zip(budgets, prompt_lens)):
+        who = names[index] if names is not None else f"sequence {index}"
         limit = protection_limit(protect, prompt_len, config.n_sinks)
         if config.budget_scope == "trace":
             budget = budget + limit + config.recency
         elif limit + config.recency > budget:
             if config.on_long_prompt == "error":
                 raise UsageError(
-                    f"sequence {index}: {limit} protected tokens ({protect}) + recency window {config.recency} exceed "
+                    f"{who}: {limit} protected tokens ({protect}) + recency window {config.recency} exceed "
                     f"the budget {budget}; raise --budget, use --protect sinks|none, or choose a fallback with "
                     f"--on-long-prompt expand|sinks"
                 )
@@ -153,7 +158,7 @@ def sequence_budgets(
                 limit = config.n_sinks
                 if limit + config.recency > budget:
                     raise UsageError(
-                        f"sequence {index}: even {limit} sinks + recency window {config.recency} exceed the budget {budget}"
+                        f"{who}: even {limit} sinks + recency window {config.recency} exceed the budget {budget}"
                     )
         out_budgets.append(budget)
         limits.append(limit)

@@ -53,7 +53,7 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
             style = series_style(i)
             part = rows[rows["policy"] == policy].sort_values("budget")
             error = 100 * np.vstack([part["accuracy"] - part["ci_low"], part["ci_high"] - part["accuracy"]])
-            ax.errorbar(dodged(part["budget"], i, len(policies)), 100 * part["accuracy"],
+            ax.errorbar(dodged(part["budget"], i, len(policies)), 100 * part["accuracy"].to_numpy(float),
                         yerr=np.where(np.isfinite(error), error, 0.0), label=policy, **style)
         budget_axis(ax, rows["budget"])
         ax.set_ylabel(ylabel)

@@ -19,10 +19,12 @@ from models.cli import main_guard
 Draw = Callable[[pd.DataFrame, argparse.Namespace], Figure]
 
 
-def figure_parser(prog: str, description: str, stem: str, columns: str) -> argparse.ArgumentParser:
+def figure_parser(prog: str, description: str, stem: str, columns: str | None) -> argparse.ArgumentParser:
+    """--input (unless `columns` is None: a figure computed from flags alone), --out, --stem, --title."""
     parser = argparse.ArgumentParser(prog=f"python -m figures.{prog}", description=description)
-    parser.add_argument("--input", required=True,
-                        help=f"input table ({', '.join(TABLE_SUFFIXES)}) with columns: {columns}")
+    if columns is not None:
+        parser.add_argument("--input", required=True,
+                            help=f"input table ({', '.join(TABLE_SUFFIXES)}) with columns: {columns}")
     parser.add_argument("--out", required=True,
                         help="output directory; STEM.png (200 dpi) and STEM.pdf are written there")
     parser.add_argument("--stem", default=stem, help=f"output file name without extension (default: {stem})")

@@ -68,8 +68,8 @@ def plot_cost_vs_budget(data, *, time: str | None = None, dense: str = DENSE_POL
             for i, policy in enumerate(policies):
                 part = stats[stats["policy"] == policy].sort_values("budget")
                 error = np.vstack([part["median"] - part["q1"], part["q3"] - part["median"]]) / factor
-                ax.errorbar(dodged(part["budget"], i, len(policies)), part["median"] / factor, yerr=error,
-                            label=policy, **series_style(i))
+                ax.errorbar(dodged(part["budget"], i, len(policies)), part["median"].to_numpy(float) / factor,
+                            yerr=error.astype(float), label=policy, **series_style(i))
             budget_axis(ax, rows["budget"])
             ax.set_ylabel(ylabel)
             ax.set_ylim(0, max(ax.get_ylim()[1], 1.06 * dense_value))  # a horizontal line does not autoscale

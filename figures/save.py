@@ -28,5 +28,6 @@ def save_figure(fig: Figure, out_dir: str | os.PathLike, stem: str) -> list[Path
         metadata = {"CreationDate": None} if fmt == "pdf" else None
         with atomic_write(path, "wb") as handle:
             fig.savefig(handle, format=fmt, dpi=PNG_DPI, metadata=metadata)
+        os.chmod(path, 0o644)  # the temporary file is created owner-only; a figure is meant to be shared
         paths.append(path)
     return paths

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 # Okabe & Ito (2008), the standard colour-blind-safe qualitative palette; yellow last, it is faint on white paper.
 OKABE_ITO = {
@@ -103,6 +104,13 @@ def memory_scale(values_mb) -> tuple[float, str]:
     """Divide-by factor and unit for a memory axis: GB once values reach 10 GB, else MB (1 GB = 1024 MB)."""
     largest = max((float(v) for v in values_mb), default=0.0)
     return (1024.0, "GB") if largest >= 10 * 1024 else (1.0, "MB")
+
+
+def plain_log_axis(axis) -> None:
+    """Log-scale ticks at 1, 2, 5 x 10^k labelled as plain numbers ("20", not "2 x 10^1")."""
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def kernel_label(kernel: str) -> str:

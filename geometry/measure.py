@@ -62,7 +62,9 @@ def layer_specs(model: nn.Module) -> list[LayerSpec]:
                 kind=kinds[index],
                 window=getattr(attn, "sliding_window", None),
                 scaling=float(attn.scaling),
-                softcap=getattr(attn, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None),
+                # Gemma2 applies this cap; transformers' Gemma3 keeps the attribute but ignores it (its released
+                # configs set none), so a Gemma3 config with a cap would be capped here and not in the model.
+                softcap=getattr(attn, "attn_logit_softcapping", None),
             )
         )
     return specs

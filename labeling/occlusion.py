@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labeling.regenerate import regenerate_naive, regenerate_shared_prefix
+from labeling.regenerate import PrefixCache, regenerate_naive, regenerate_shared_prefix
 from labeling.windows import DEFAULT_TAIL, Boundary, find_answer_boundary, occlude, occlusion_windows, position_labels
 from models.cli import main_guard, positive_int, save_config
 from models.errors import UsageError, unknown_choice
@@ -86,21 +86,20 @@ class OcclusionLabeler:
             raise unknown_choice("occlusion method", self.method, METHODS)
         occlusion_windows(0, 0, self.window, self.stride)  # validates window / stride
 
-    def _regenerate(self, ids: list[int], rows: list[tuple[int, list[int]]], progress) -> list[list[int]]:
-        """Continuations of the contexts ``ids[:start] + tail`` (rows sorted by start)."""
+    def _regenerate(self, context: list[int], reasoning_start: int, rows: list[tuple[int, list[int]]],
+                    progress) -> tuple[list[int], list[list[int]]]:
+        """The continuation of the unoccluded `context` and of each occluded ``context[:start] + tail`` row."""
         if self.method == "naive":
-            return regenerate_naive(self.model, [ids[:s] + t for s, t in rows], self.max_answer_tokens,
-                                    self.stop_ids, progress)
-        by_length: dict[int, list[int]] = {}
-        for index, (start, tail) in enumerate(rows):
-            by_length.setdefault(start + len(tail), []).append(index)
-        out: list[list[int]] = [[] for _ in rows]
-        for indices in by_length.values():  # deletion shortens occluded contexts; the reference keeps its length
-            group = regenerate_shared_prefix(self.model, ids, [rows[i] for i in indices], self.max_answer_tokens,
-                                             self.stop_ids, self.batch_size, progress)
-            for i, tokens in zip(indices, group):
-                out[i] = tokens
-        return out
+            continuations = regenerate_naive(self.model, [context] + [context[:s] + t for s, t in rows],
+                                             self.max_answer_tokens, self.stop_ids, progress)
+            return continuations[0], continuations[1:]
+        prefix = PrefixCache(self.model, context)
+        # Start one token early: deleting a window flush with the span's end makes rows start there minus one.
+        first = max(0, reasoning_start - 1)
+        (reference,) = regenerate_shared_prefix(prefix, [(first, context[first:])],
+                                                self.max_answer_tokens, self.stop_ids, progress=progress)
+        return reference, regenerate_shared_prefix(prefix, rows, self.max_answer_tokens, self.stop_ids,
+                                                   self.batch_size, draft=reference, progress=progress)
 
     def plan(self, prompt_ids: list[int], generated_ids: list[int]) -> tuple[Boundary, list[tuple[int, int]]]:
         """The answer boundary of a trace and the windows occlusion will test (none if the span is too short)."""
@@ -119,12 +118,11 @@ class OcclusionLabeler:
             return {**base, "status": "skipped",
                     "reason": f"reasoning span {answer_start - reasoning_start} < window {self.window}"}
         context = ids[:answer_start]
-        rows = [(reasoning_start, context[reasoning_start:])]  # the unoccluded reference
-        for start, end in windows:
-            rows.append((start, occlude(context, start, end, self.replacement)[start:]))
+        rows = [(start, occlude(context, start, end, self.replacement)[start:]) for start, end in windows]
         started = time.perf_counter()
-        continuations = self._regenerate(context, rows, progress)
-        texts = [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in continuations]
+        reference_tokens, continuations = self._regenerate(context, reasoning_start, rows, progress)
+        texts = [self.tokenizer.decode(tokens, skip_special_tokens=True)
+                 for tokens in [reference_tokens, *continuations]]
         answers = [self.answer_of(text) for text in texts]
         reference = answers[0]
         if reference is None:

@@ -4,17 +4,25 @@ Every occluded context of a trace is ``ids[:s] + filler + ids[e:answer_start]`` 
 before the window is the trace's own prefix. Both engines return the greedy continuation of each context, stopping
 at a stop token (kept in the output) or after `max_new_tokens`.
 
-- `regenerate_naive`: one from-scratch prefill and decode per context. The reference the fast engine must match.
-- `regenerate_shared_prefix`: windows are processed in order of start in batches of `batch_size`. One base cache
-  holds the trace's prefix and is only ever extended (never recomputed) up to the first window start of the next
-  batch; each batch deep-copies it, repeats it once per row, feeds every row's remaining context (its window
-  filler and the suffix after it; rows start at the same position and, as all windows have one size, have the
-  same length, so no padding or mask is needed and all rows decode at the same positions) and decodes all rows
-  together, dropping rows from the batch as they stop. The cache copy, never a crop, keeps sliding-window layers
-  (which store only their last window) correct.
+- `regenerate_naive`: one from-scratch prefill and token-by-token decode per context: the reference the fast
+  engine must match.
+- `regenerate_shared_prefix`, three savings, none of which changes what greedy decoding computes:
 
-The two engines differ only in floating-point summation order (chunked prefix, batched matmuls), so in fp32 their
-greedy continuations agree except at exact near-ties of the top two logits; labels compare extracted answers.
+  1. Prefix reuse (`PrefixCache`). Windows are processed in order of start. One base cache holds the trace's prefix
+     and is only ever extended, never recomputed; each batch deep-copies it at its first window's start. Copying,
+     not cropping a full-context cache, keeps sliding-window layers (which store only their last window) correct.
+  2. Batching. A batch's rows start at the same position and, as all windows have one size, have the same length,
+     so they share one forward with no padding or mask and decode at the same positions; a finished row leaves the
+     batch.
+  3. Draft verification. Most windows do not change the continuation, so the reference continuation (from the
+     unoccluded context) is fed after every row as a draft, in chunks, and checked against the row's own greedy
+     argmax at each position, as in speculative decoding. A row that agrees all the way has exactly the draft as
+     its greedy continuation, without a decode step. Rows that diverge keep the agreed prefix (the cache is cropped
+     back to the earliest divergence in the batch; sliding layers record their past meanwhile so the crop is
+     exact) and continue token by token.
+
+The engines differ only in floating-point summation order (chunked prefix, batched and multi-token forwards), so in
+fp32 their greedy continuations agree except at exact near-ties of the top two logits; labels compare answers.
 """
 
 from __future__ import annotations
@@ -25,43 +33,110 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-
-@torch.no_grad()
-def greedy_extend(model, cache: DynamicCache, input_ids: torch.Tensor, max_new_tokens: int,
-                  stop_ids: Sequence[int]) -> list[list[int]]:
-    """Feed ``input_ids [batch, L]`` after `cache` (every row at the same cached length) and decode greedily.
-
-    Returns the new tokens of each row. `cache` is consumed (rows are dropped from it as they finish).
-    """
-    batch = input_ids.shape[0]
-    stops = torch.tensor(sorted(set(stop_ids)), device=input_ids.device, dtype=torch.long)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    active = list(range(batch))
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    for step in range(max_new_tokens):
-        next_ids = logits[:, -1].argmax(-1)  # [active]; argmax breaks ties by the lowest id in both engines
-        for row, token in zip(active, next_ids.tolist()):
-            outputs[row].append(token)
-        if step == max_new_tokens - 1:
-            break
-        keep = ~torch.isin(next_ids, stops)
-        if not bool(keep.all()):
-            if not bool(keep.any()):
-                break
-            index = keep.nonzero().squeeze(1)
-            cache.batch_select_indices(index)
-            active = [active[i] for i in index.tolist()]
-            next_ids = next_ids[index]
-        logits = model(input_ids=next_ids[:, None], cache=cache, use_cache=True, logits_to_keep=1).logits
-    return outputs
+Progress = Callable[[int], None] | None
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _decode(model, cache: DynamicCache, next_ids: torch.Tensor, outputs: list[list[int]], active: list[int],
+            steps: int, stops: torch.Tensor) -> None:
+    """Append `next_ids [active]` to each active row's output, then decode up to `steps` more tokens greedily.
+
+    Rows leave the batch (and the cache) at a stop token. argmax breaks ties by the lowest id in every engine.
+    """
+    for step in range(steps + 1):
+        for row, token in zip(active, next_ids.tolist()):
+            outputs[row].append(token)
+        if step == steps:
+            return
+        keep = ~torch.isin(next_ids, stops)
+        if not bool(keep.any()):
+            return
+        if not bool(keep.all()):
+            index = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(index)
+            active = [active[i] for i in index.tolist()]
+            next_ids = next_ids[index]
+        logits = model(input_ids=next_ids[:, None], cache=cache, use_cache=True, logits_to_keep=1).logits
+        next_ids = logits[:, -1].argmax(-1)
+
+
+def _stop_tensor(stop_ids: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor(sorted(set(stop_ids)), device=device, dtype=torch.long)
+
+
+@torch.no_grad()
+def greedy_extend(model, cache: DynamicCache, input_ids: torch.Tensor, max_new_tokens: int,
+                  stop_ids: Sequence[int]) -> list[list[int]]:
+    """Feed ``input_ids [batch, L]`` after `cache` (every row at the same cached length) and decode greedily.
+
+    Returns the new tokens of each row. `cache` is consumed.
+    """
+    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    outputs: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    _decode(model, cache, logits[:, -1].argmax(-1), outputs, list(range(input_ids.shape[0])), max_new_tokens - 1,
+            _stop_tensor(stop_ids, input_ids.device))
+    return outputs
+
+
+@torch.no_grad()
+def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor, draft: Sequence[int],
+                             max_new_tokens: int, stop_ids: Sequence[int], chunk: int = 32) -> list[list[int]]:
+    """`greedy_extend`, verifying `draft` (a greedy continuation of a similar context) instead of decoding it.
+
+    `draft` must itself be a finished greedy continuation: it ends at a stop token or has `max_new_tokens` tokens.
+    """
+    batch, device = input_ids.shape[0], input_ids.device
+    stops = _stop_tensor(stop_ids, device)
+    draft = list(draft)
+    cache.activate_past_recording()  # sliding layers keep their past until the crop below
+    draft_ids = torch.tensor(draft, device=device, dtype=torch.long)
+    predicted = []  # [batch, k] chunks: predicted[..., j] is the row's greedy token j
+    fed = 0  # draft tokens fed so far
+    agreeing = torch.ones(batch, dtype=torch.bool, device=device)
+    feed = input_ids
+    while True:
+        take = min(chunk, len(draft) - 1 - fed)
+        feed = torch.cat([feed, draft_ids[fed:fed + take].expand(batch, -1)], dim=1)
+        keep = take + 1 if fed == 0 else take
+        logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        step = logits.argmax(-1)  # [batch, keep]
+        predicted.append(step)
+        start = sum(p.shape[1] for p in predicted) - step.shape[1]
+        agreeing &= (step == draft_ids[start:start + step.shape[1]]).all(1)
+        fed += take
+        if fed == len(draft) - 1 or not bool(agreeing.any()):
+            break
+        feed = input_ids.new_empty(batch, 0)
+    predicted = torch.cat(predicted, dim=1)  # [batch, fed + 1]
+    agree = predicted == draft_ids[: predicted.shape[1]]
+    accepted = torch.where(agree.all(1), predicted.shape[1], (~agree).int().argmax(1)).tolist()
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    unfinished = []
+    for row, a in enumerate(accepted):
+        if a == len(draft):
+            outputs[row] = draft[:]
+            continue
+        token = int(predicted[row, a])
+        if token in stop_ids or a + 1 == max_new_tokens:
+            outputs[row] = draft[:a] + [token]
+        else:
+            unfinished.append(row)
+    if unfinished:
+        m = min(accepted[row] for row in unfinished)
+        index = torch.tensor(unfinished, device=device)
+        cache.batch_select_indices(index)
+        cache.crop(-(fed - m))  # keep the context and the m agreed draft tokens
+        for row in unfinished:
+            outputs[row] = draft[:m]
+        _decode(model, cache, predicted[index, m], outputs, unfinished, max_new_tokens - m - 1, stops)
+    return outputs
+
+
 def regenerate_naive(model, contexts: Sequence[Sequence[int]], max_new_tokens: int,
-                     stop_ids: Sequence[int], progress: Callable[[int], None] | None = None) -> list[list[int]]:
+                     stop_ids: Sequence[int], progress: Progress = None) -> list[list[int]]:
     """The greedy continuation of each context, each prefilled from scratch."""
     results = []
     for context in contexts:
@@ -72,14 +147,37 @@ def regenerate_naive(model, contexts: Sequence[Sequence[int]], max_new_tokens: i
     return results
 
 
-@torch.no_grad()
-def regenerate_shared_prefix(model, prefix_ids: Sequence[int], rows: Sequence[tuple[int, Sequence[int]]],
-                             max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 8,
-                             progress: Callable[[int], None] | None = None) -> list[list[int]]:
-    """The greedy continuation of each context ``prefix_ids[:start] + tail`` for ``(start, tail)`` in `rows`.
+class PrefixCache:
+    """The KV cache of a growing prefix of `ids`, copied out at any position at or after the last one requested."""
 
-    `rows` must be sorted by start (>= 1) and all contexts must have the same length. Returns continuations in the
-    order of `rows`.
+    def __init__(self, model, ids: Sequence[int]):
+        self.model, self.ids = model, list(ids)
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+
+    @torch.no_grad()
+    def copy_at(self, position: int, repeats: int) -> DynamicCache:
+        """A deep copy of the cache of ``ids[:position]``, repeated `repeats` times along the batch axis."""
+        if not 0 <= position <= len(self.ids):
+            raise ValueError(f"position {position} out of range 0..{len(self.ids)}")
+        if position < self.length:
+            raise ValueError(f"the prefix cache is at {self.length}; it cannot go back to {position}")
+        if position > self.length:
+            extension = torch.tensor([self.ids[self.length:position]], dtype=torch.long, device=_device(self.model))
+            self.model(input_ids=extension, cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.length = position
+        cache = copy.deepcopy(self.cache)
+        cache.batch_repeat_interleave(repeats)
+        return cache
+
+
+def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
+                             stop_ids: Sequence[int], batch_size: int = 8, draft: Sequence[int] | None = None,
+                             draft_chunk: int = 32, progress: Progress = None) -> list[list[int]]:
+    """The greedy continuation of each context ``prefix.ids[:start] + tail`` for ``(start, tail)`` in `rows`.
+
+    `rows` must be sorted by start (not before an earlier call's last batch start) and all contexts must have the
+    same length. With `draft`, see `greedy_extend_with_draft`. Returns continuations in the order of `rows`.
     """
     if not rows:
         return []
@@ -89,24 +187,19 @@ def regenerate_shared_prefix(model, prefix_ids: Sequence[int], rows: Sequence[tu
     if len(lengths) > 1:
         raise ValueError(f"all contexts must have one length, got {sorted(lengths)}")
     (length,) = lengths
-    device = _device(model)
-    base = DynamicCache(config=model.config)
-    cached = 0
+    device = _device(prefix.model)
     results: list[list[int]] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first:first + batch_size]
-        if batch[0][0] < 1:
-            raise ValueError("a row must keep at least one prefix token")
         s0 = min(batch[0][0], length - 1)  # every row feeds at least one token, which yields its first logits
-        if s0 > cached:
-            extension = torch.tensor([list(prefix_ids[cached:s0])], dtype=torch.long, device=device)
-            model(input_ids=extension, cache=base, use_cache=True, logits_to_keep=1)
-            cached = s0
-        cache = copy.deepcopy(base)
-        cache.batch_repeat_interleave(len(batch))
-        inputs = torch.tensor([list(prefix_ids[s0:start]) + list(tail) for start, tail in batch],
-                              dtype=torch.long, device=device)  # [batch, context - s0]
-        results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
+        cache = prefix.copy_at(s0, len(batch))
+        inputs = torch.tensor([prefix.ids[s0:start] + list(tail) for start, tail in batch],
+                              dtype=torch.long, device=device)  # [batch, length - s0]
+        if draft is None:
+            results.extend(greedy_extend(prefix.model, cache, inputs, max_new_tokens, stop_ids))
+        else:
+            results.extend(greedy_extend_with_draft(prefix.model, cache, inputs, draft, max_new_tokens, stop_ids,
+                                                    draft_chunk))
         if progress:
             progress(len(batch))
     return results

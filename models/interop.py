@@ -3,11 +3,10 @@
 Both libraries wrap the model in memory (no download; keep ``HF_HUB_OFFLINE=1``), and tests/test_interop.py checks
 that what they save equals what `models.hooks.capture` records:
 
-- nnsight (`nnsight_model`, `nnsight_read`): `TransformersModel` wraps ``lm.model`` itself and leaves it unchanged
-  outside a trace. Layer inputs/outputs and projection outputs are module envoys; the cache hooks are the arguments
-  of the ``cache.update`` call inside the attention forward, reached through nnsight's ``.source`` view. nnsight
-  requires a trace to request values in execution order, so `nnsight_read` runs one trace per hook name (a forward
-  each): simple and order-proof, fine for cross-checks, not for bulk capture.
+- nnsight (`nnsight_model`, `nnsight_capture`): `TransformersModel` wraps ``lm.model`` itself and leaves it
+  unchanged outside a trace. Layer inputs/outputs and projection outputs are module envoys; the cache hooks are the
+  arguments of the ``cache.update`` call inside the attention forward, reached through nnsight's ``.source`` view.
+  nnsight requires a trace to request values in execution order, which `_STAGE` spells out per family.
 - TransformerLens (`transformer_lens_bridge`, `transformer_lens_read`): the v3 `TransformerBridge` over a *copy* of
   the model, because booting it replaces the model's submodules in place and switches it to eager attention.
   `TL_POINTS` maps each canonical point to the bridge's hook and layout (QK-norm families expose the normed
@@ -40,41 +39,63 @@ def _envoy(root, path: str):
                             path.split("."), root)
 
 
-def nnsight_read(nn_model, name: str, input_ids: torch.Tensor, **forward_kwargs) -> torch.Tensor:
-    """The tensor at canonical hook `name` for one forward of `input_ids`, saved by nnsight, in kvscope's layout.
+# Where each point falls in a decoder layer's forward; nnsight must be asked for values in this order.
+_STAGE = {"hook_resid_pre": 0, "attn.hook_q": 1, "attn.hook_k": 2, "attn.hook_v": 3, "attn.hook_cache_k": 4,
+          "attn.hook_cache_v": 4, "hook_resid_post": 5}
+_STAGE_OVERRIDES = {"gemma3_text": {"attn.hook_v": 0.5}}  # v_proj runs before q_norm / k_norm
+
+
+def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) -> dict[str, torch.Tensor]:
+    """The tensors at canonical hooks `names` for one forward of `input_ids`, saved by nnsight, in kvscope's layout.
 
     nnsight builds an all-ones attention mask covering `input_ids` only; on a decode step (a non-empty ``cache``)
     that mask is too short and silently changes the result, so one spanning cache + new tokens is supplied here.
     """
     model = nn_model._module
+    config = model.config
+    layers_path, table = HOOK_TABLES[config.model_type]
+    stage = {**_STAGE, **_STAGE_OVERRIDES.get(config.model_type, {})}
+    requests = sorted(((*parse_hook_name(model, name), name) for name in dict.fromkeys(names)),
+                      key=lambda r: (r[0], stage[r[1]]))
     cache = forward_kwargs.get("cache")
     if cache is not None and "attention_mask" not in forward_kwargs and cache.get_seq_length() > 0:
         batch, new = input_ids.shape
         forward_kwargs["attention_mask"] = torch.ones(
             batch, cache.get_seq_length() + new, dtype=torch.long, device=input_ids.device
         )
-    layer, point = parse_hook_name(model, name)
-    layers_path, table = HOOK_TABLES[model.config.model_type]
+    saved = {}
     with torch.no_grad(), nn_model.trace(input_ids, **forward_kwargs):
-        block = _envoy(nn_model, layers_path)[layer]
-        if point == "hook_resid_pre":
-            saved = block.input.save()
-        elif point == "hook_resid_post":
-            saved = block.output.save()
+        blocks = _envoy(nn_model, layers_path)
+        # Source-level call sites are looked up before the forward reaches them (a lookup made while the attention
+        # forward is already paused at a later projection raises OutOfOrderError).
+        cache_calls = {layer: blocks[layer].self_attn.source.cache_update_0
+                       for layer, point, _ in requests if point in ("attn.hook_cache_k", "attn.hook_cache_v")}
+        for layer, point, name in requests:
+            if point == "hook_resid_pre":
+                saved[name] = blocks[layer].input.save()
+            elif point == "hook_resid_post":
+                saved[name] = blocks[layer].output.save()
+            elif point in ("attn.hook_cache_k", "attn.hook_cache_v"):
+                key = ("cache_update", layer)  # one call site serves both: cache.update(key_states, value_states, ...)
+                if key not in saved:
+                    saved[key] = cache_calls[layer].inputs.save()
+            else:
+                saved[name] = _envoy(blocks[layer], table[point].module).output.save()
+    result = {}
+    for layer, point, name in requests:
+        if point == "hook_resid_post":
+            output = saved[name]
+            result[name] = output[0] if isinstance(output, tuple) else output
+        elif point == "hook_resid_pre":
+            result[name] = saved[name]
         elif point in ("attn.hook_cache_k", "attn.hook_cache_v"):
-            saved = block.self_attn.source.cache_update_0.inputs.save()
+            args, _ = saved[("cache_update", layer)]
+            result[name] = args[0] if point.endswith("k") else args[1]
         else:
-            saved = _envoy(block, table[point].module).output.save()
-    if point == "hook_resid_post":
-        return saved[0] if isinstance(saved, tuple) else saved
-    if point == "hook_resid_pre":
-        return saved
-    if point in ("attn.hook_cache_k", "attn.hook_cache_v"):
-        args, _ = saved
-        return args[0] if point.endswith("k") else args[1]
-    spec = table[point]
-    config = model.config
-    return _to_heads(saved, spec, config.num_attention_heads if spec.heads == "q" else config.num_key_value_heads)
+            spec = table[point]
+            heads = config.num_attention_heads if spec.heads == "q" else config.num_key_value_heads
+            result[name] = _to_heads(saved[name], spec, heads)
+    return result
 
 
 def tl_points(model_type: str) -> dict[str, HookPoint]:

@@ -145,7 +145,11 @@ def load_model(
         directory, source, info = Path(name).expanduser(), str(Path(name).expanduser()), {}
         if not (directory / "config.json").exists():
             raise UsageError(f"directory {name!r} is not a HuggingFace model directory (no config.json)")
-    elif "/" in name and not Path(name).exists():
+    elif name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise UsageError(
+            f"model path {name!r} is not an existing HF model directory or .gguf file (hub ids look like org/name)"
+        )
+    elif "/" in name:
         directory, source, info = name, f"hub:{name}", {}
     else:
         choices = sorted(REGISTRY) + ["<local HF dir>", "<file.gguf>", "<hub org/name>"]

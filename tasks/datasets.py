@@ -154,10 +154,8 @@ def _first(record: dict[str, Any], fields: tuple[str, ...]) -> Any:
 def _to_problem(record: dict[str, Any], number: int, dataset: str, origin: str) -> Problem:
     question, answer = _first(record, QUESTION_FIELDS), _first(record, ANSWER_FIELDS)
     if question is None or answer is None:
-        missing = "a question field (" + "/".join(QUESTION_FIELDS) + ")" if question is None else (
-            "an answer field (" + "/".join(ANSWER_FIELDS) + ")"
-        )
-        raise UsageError(f"{origin}: record {number} has no {missing}")
+        kind, fields = ("question", QUESTION_FIELDS) if question is None else ("answer", ANSWER_FIELDS)
+        raise UsageError(f"{origin}: record {number} has no {kind} field (expected one of: {', '.join(fields)})")
     answer = str(answer)
     meta = {k: v for k, v in record.items() if k not in QUESTION_FIELDS + ANSWER_FIELDS}
     if dataset == "gsm8k" and "####" in answer:

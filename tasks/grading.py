@@ -2,7 +2,7 @@
 
 Extraction (`extract_answer`), first rule that matches wins:
 
-1. the last ``\\boxed{...}`` / ``\\fbox{...}`` (balanced nested braces), or the brace-less ``\\boxed 5`` form;
+1. the last non-empty ``\\boxed{...}`` / ``\\fbox{...}`` (balanced nested braces), or the brace-less ``\\boxed 5``;
 2. the last GSM8K-style ``#### <answer>`` line;
 3. fallback: the last "the (final) answer is X" / "Answer: X" phrase, up to the end of its line;
 4. fallback: the last number in the text.
@@ -49,7 +49,8 @@ def _boxed_contents(text: str) -> list[tuple[int, str]]:
             for j in range(i, len(text)):
                 depth += {"{": 1, "}": -1}.get(text[j], 0)
                 if depth == 0:
-                    found.append((match.start(), text[start + 1 : j]))
+                    if text[start + 1 : j].strip():  # an empty `\boxed{}` is the instruction echoed back
+                        found.append((match.start(), text[start + 1 : j]))
                     break
         elif i > match.end():  # `\boxed 5`: the token up to whitespace or a closing `$`
             token = re.match(r"[^\s$]+", text[i:])

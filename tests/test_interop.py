@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from models.hooks import ATTN_HOOKS, RESID_HOOKS, capture, hook_name
-from models.interop import nnsight_model, nnsight_read, transformer_lens_bridge, transformer_lens_read
+from models.interop import nnsight_capture, nnsight_model, transformer_lens_bridge, transformer_lens_read
 
 pytest.importorskip("nnsight")
 pytest.importorskip("transformer_lens")
@@ -33,9 +33,9 @@ def test_nnsight_prefill_matches_capture(tiny):
     ids = torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(1))
     names = _names(model)
     ours = _kvscope(model, names, ids, cache=DynamicCache(config=model.config), use_cache=True)
-    nn_model = nnsight_model(tiny)
+    theirs_all = nnsight_capture(nnsight_model(tiny), names, ids, cache=DynamicCache(config=model.config), use_cache=True)
     for name in names:
-        theirs = nnsight_read(nn_model, name, ids, cache=DynamicCache(config=model.config), use_cache=True)
+        theirs = theirs_all[name]
         assert theirs.shape == ours[name].shape, name
         torch.testing.assert_close(theirs, ours[name], rtol=0, atol=1e-6, msg=name)
 
@@ -50,9 +50,9 @@ def test_nnsight_decode_step_matches_capture(tiny_gemma3):
     token, position = torch.tensor([[42]]), torch.tensor([[20]])
     names = [hook_name(0, "attn.hook_cache_k"), hook_name(3, "attn.hook_cache_v"), hook_name(3, "hook_resid_post")]
     ours = _kvscope(model, names, token, cache=copy.deepcopy(cache), position_ids=position, use_cache=True)
-    nn_model = nnsight_model(tiny_gemma3)
+    theirs_all = nnsight_capture(nnsight_model(tiny_gemma3), names, token, cache=cache, position_ids=position, use_cache=True)
     for name in names:
-        theirs = nnsight_read(nn_model, name, token, cache=copy.deepcopy(cache), position_ids=position, use_cache=True)
+        theirs = theirs_all[name]
         assert theirs.shape[-2] == 1, name  # one new position, in both [b, pos, d] and [b, head, pos, d]
         torch.testing.assert_close(theirs, ours[name], rtol=0, atol=1e-6, msg=name)
 
@@ -60,7 +60,7 @@ def test_nnsight_decode_step_matches_capture(tiny_gemma3):
 def test_nnsight_leaves_model_unchanged(tiny_llama):
     model = tiny_llama.model
     before = [type(m) for m in model.modules()]
-    nnsight_read(nnsight_model(tiny_llama), "blocks.1.attn.hook_k", torch.tensor([[5, 6, 7]]))
+    nnsight_capture(nnsight_model(tiny_llama), ["blocks.1.attn.hook_k"], torch.tensor([[5, 6, 7]]))
     assert [type(m) for m in model.modules()] == before
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -71,10 +71,9 @@ def test_nnsight_on_smollm2(smollm2):
     ids = smollm2.tokenizer("The cache keeps keys and values.", return_tensors="pt").input_ids
     names = [hook_name(29, "hook_resid_post"), hook_name(7, "attn.hook_k"), hook_name(7, "attn.hook_cache_k")]
     ours = _kvscope(model, names, ids, cache=DynamicCache(config=model.config), use_cache=True)
-    nn_model = nnsight_model(smollm2)
+    theirs = nnsight_capture(nnsight_model(smollm2), names, ids, cache=DynamicCache(config=model.config), use_cache=True)
     for name in names:
-        theirs = nnsight_read(nn_model, name, ids, cache=DynamicCache(config=model.config), use_cache=True)
-        torch.testing.assert_close(theirs, ours[name], rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(theirs[name], ours[name], rtol=0, atol=1e-5, msg=name)
 
 
 def _tl_check(lm, ids, atol):
@@ -102,6 +101,7 @@ def test_transformer_lens_bridge_matches_capture(tiny):
     _tl_check(tiny, ids, atol=1e-5)
 
 
+@pytest.mark.slow  # deep-copies the model and boots the bridge: 10-35 s on a shared 2-core machine
 @pytest.mark.realmodel
 def test_transformer_lens_bridge_on_smollm2(smollm2):
     # The bridge runs eager attention; the fixture runs SDPA, which reorders float ops (~1e-5 relative in fp32).

@@ -130,6 +130,37 @@ def test_layers_cli_needs_family_when_ambiguous(tmp_path, capsys):
     assert layers.main(["--labels", str(labels), "--signals", str(npz), "--family", "kv"]) == 0
 
 
+def test_layers_cli_reads_probes_signals_files_one_per_smoothing(tmp_path):
+    labels, signals = _layer_data(tmp_path)
+    files = []
+    for smoothing, transform in (("mean", "roll64"), ("z", "z64")):
+        records = []
+        for rec in map(json.loads, signals.read_text().splitlines()):
+            per_layer = {str(layer): rec["signals"][f"hidden_diff.l{layer}.{transform}"] for layer in range(8)}
+            per_layer["0"] = [None] + per_layer["0"][1:]  # probes.signals writes null where g is undefined
+            records.append({"trace_id": rec["trace_id"], "positions": rec["positions"], "smoothing": smoothing,
+                            "signals": {"hidden_diff": per_layer}})
+        files.append(str(_write_jsonl(tmp_path / f"signals_{smoothing}.jsonl", records)))
+    out = tmp_path / "out"
+    assert layers.main(["--labels", str(labels), "--signals", *files, "--out", str(out)]) == 0
+    policy = json.loads((out / "policy.json").read_text())
+    assert policy["policy"] == "epikv" and policy["params"]["window"] == 64
+    prov = policy["provenance"]
+    assert (prov["raw_transform"], prov["detrended_transform"]) == ("mean", "z")
+    assert prov["nonfinite_positions_dropped"] == 20  # the first reasoning position of each trace
+    assert prov["n_tokens"] == 20 * 79
+
+
+def test_layers_cli_one_sided_bands_write_no_policy(tmp_path, capsys):
+    labels, signals = _layer_data(tmp_path)
+    names = [f"hidden_diff.l{layer}.roll64" for layer in range(5)]  # only the positive band is present
+    out = tmp_path / "out"
+    assert layers.main(["--labels", str(labels), "--signals", str(signals), "--signal-names", *names,
+                        "--out", str(out)]) == 0
+    assert "need both a positive and a negative band" in capsys.readouterr().out
+    assert (out / "layers.csv").exists() and not (out / "policy.json").exists()
+
+
 def test_layers_cli_without_band_writes_tables_but_no_policy(tmp_path, capsys):
     labels, signals = _layer_data(tmp_path, strength=0.0)
     out = tmp_path / "out"

@@ -38,7 +38,8 @@ def test_parse_signal_name():
 
 def test_labels_keep_only_the_reasoning_span(tmp_path):
     path = _write_jsonl(tmp_path / "labels.jsonl", [_label("a", [0, 1, 2, 3, 4, 5], [1, 1, 0, 1, 0, 0], 2, 5)])
-    (trace,) = read_labels(path)
+    (trace,), skipped = read_labels(path)
+    assert skipped == {}
     assert trace.positions.tolist() == [2, 3, 4]  # prompt (0, 1) and answer (5) dropped
     assert trace.labels.tolist() == [0, 1, 0]
 
@@ -55,7 +56,7 @@ def test_alignment_by_trace_id_and_position(tmp_path):
         {"trace_id": "b", "positions": [5, 6], "signals": {"s": [1.0, 2.0], "t": [3, 4]}},
         {"trace_id": "only_signals", "positions": [1], "signals": {"s": [1.0], "t": [1.0]}},
     ])
-    aligned = load_aligned(labels, signals)
+    aligned = load_aligned(labels, [signals])
     assert aligned.names == ["s", "t"]
     a, b = aligned.traces
     assert a.trace_id == "a" and a.positions.tolist() == [11, 12, 13]
@@ -76,8 +77,7 @@ def test_npz_long_format_reads_like_jsonl(tmp_path):
     npz = tmp_path / "signals.npz"
     np.savez(npz, trace_id=np.array(["a", "a", "a", "b", "b"]), position=np.array([0, 1, 2, 4, 5]),
              **{"x.l1.roll64": np.array([1.0, 2, 3, 5, 6]), "h2o": np.array([3.0, 2, 1, 0, 1])})
-    names_j, traces_j = read_signals(jsonl)
-    names_n, traces_n = read_signals(npz)
+    (names_j, traces_j), (names_n, traces_n) = ((s.names, s.traces) for s in (read_signals(jsonl), read_signals(npz)))
     assert sorted(names_j) == sorted(names_n)
     order = [names_n.index(n) for n in names_j]
     for tj, tn in zip(traces_j, traces_n):
@@ -86,18 +86,17 @@ def test_npz_long_format_reads_like_jsonl(tmp_path):
 
 
 def test_no_shared_trace_is_a_usage_error(tmp_path):
-    labels = read_labels(_write_jsonl(tmp_path / "l.jsonl", [_label("a", [0, 1], [0, 1], 0, 2)]))
-    names, signals = read_signals(_write_jsonl(tmp_path / "s.jsonl", [
+    labels, _ = read_labels(_write_jsonl(tmp_path / "l.jsonl", [_label("a", [0, 1], [0, 1], 0, 2)]))
+    signals = read_signals(_write_jsonl(tmp_path / "s.jsonl", [
         {"trace_id": "z", "positions": [0, 1], "signals": {"s": [1, 2]}}]))
     with pytest.raises(UsageError, match="share no trace"):
-        align(labels, names, signals)
+        align(labels, signals)
 
 
 @pytest.mark.parametrize(
     "record,message",
     [
         ({"trace_id": "a", "positions": [0, 1], "signals": {"s": [1.0]}}, "1 values for 2 positions"),
-        ({"trace_id": "a", "positions": [0, 1], "signals": {"s": [1.0, float("nan")]}}, "non-finite"),
         ({"trace_id": "a", "positions": [0, 0], "signals": {"s": [1.0, 2.0]}}, "repeated positions"),
         ({"trace_id": "a", "positions": [0, 1]}, "missing field"),
         ({"trace_id": "a", "positions": [0, 1], "signals": {}}, "non-empty"),
@@ -126,3 +125,52 @@ def test_bad_label_records(tmp_path):
         read_labels(_write_jsonl(tmp_path / "b.jsonl", [_label("a", [0], [0], 0, 1)] * 2))
     with pytest.raises(UsageError, match="not found"):
         read_labels(tmp_path / "missing.jsonl")
+
+
+def test_labels_skip_unlabelled_and_incorrect_traces(tmp_path):
+    path = _write_jsonl(tmp_path / "labels.jsonl", [
+        {**_label("a", [0, 1], [0, 1], 0, 2), "status": "labelled", "correct": True},
+        {"trace_id": "b", "status": "skipped", "reason": "span too short"},
+        {**_label("c", [0, 1], [1, 0], 0, 2), "correct": False},
+    ])
+    traces, skipped = read_labels(path)
+    assert [t.trace_id for t in traces] == ["a"] and skipped == {"status skipped": 1, "incorrect": 1}
+    traces, skipped = read_labels(path, include_incorrect=True)
+    assert [t.trace_id for t in traces] == ["a", "c"] and skipped == {"status skipped": 1}
+    only_skipped = _write_jsonl(tmp_path / "none.jsonl", [{"trace_id": "b", "status": "skipped"}])
+    with pytest.raises(UsageError, match="no usable label records"):
+        read_labels(only_skipped)
+
+
+def test_probes_signals_layout_and_merging_files(tmp_path):
+    # probes.signals writes {signal: {layer: [...]}} plus the file's smoothing; null where undefined.
+    mean = _write_jsonl(tmp_path / "mean.jsonl", [
+        {"trace_id": "a", "positions": [0, 1, 2, 3], "smoothing": "mean",
+         "signals": {"hidden_diff": {"0": [None, 1.0, 2.0, 3.0], "2": [None, 4.0, 5.0, 6.0]}}}])
+    z = _write_jsonl(tmp_path / "z.jsonl", [
+        {"trace_id": "a", "positions": [1, 2, 3, 4], "smoothing": "z",
+         "signals": {"hidden_diff": {"0": [0.1, 0.2, 0.3, 0.4]}}}])
+    assert read_signals(mean).names == ["hidden_diff.l0.mean", "hidden_diff.l2.mean"]
+    labels = _write_jsonl(tmp_path / "labels.jsonl", [_label("a", [0, 1, 2, 3, 4], [1, 0, 1, 0, 1], 0, 5)])
+    aligned = load_aligned(labels, [mean, z])
+    assert aligned.names == ["hidden_diff.l0.mean", "hidden_diff.l2.mean", "hidden_diff.l0.z"]
+    (trace,) = aligned.traces
+    assert trace.positions.tolist() == [1, 2, 3]  # position 0 missing from z, 4 missing from mean
+    assert trace.values.tolist() == [[1.0, 4.0, 0.1], [2.0, 5.0, 0.2], [3.0, 6.0, 0.3]]
+    with pytest.raises(UsageError, match="more than one signal file"):
+        load_aligned(labels, [mean, mean])
+
+
+def test_finite_drops_positions_with_any_nonfinite_signal(tmp_path):
+    labels = _write_jsonl(tmp_path / "labels.jsonl", [_label("a", [0, 1, 2], [1, 0, 1], 0, 3),
+                                                      _label("b", [0], [1], 0, 1)])
+    signals = _write_jsonl(tmp_path / "s.jsonl", [
+        {"trace_id": "a", "positions": [0, 1, 2], "signals": {"s": [None, 1.0, 2.0], "t": [1.0, float("nan"), 3.0]}},
+        {"trace_id": "b", "positions": [0], "signals": {"s": [None], "t": [1.0]}}])
+    aligned = load_aligned(labels, [signals])
+    assert aligned.traces[0].values.shape == (3, 2)
+    clean = aligned.finite()
+    assert [t.trace_id for t in clean.traces] == ["a"] and clean.traces[0].positions.tolist() == [2]
+    assert clean.nonfinite_positions == 3 and "b" in clean.dropped_traces
+    # Restricting to "s" first keeps position 1 (only "t" is NaN there).
+    assert aligned.select(["s"]).finite().traces[0].positions.tolist() == [1, 2]

@@ -23,6 +23,7 @@ per budget, on all of its problems), config.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import defaultdict
@@ -67,6 +68,11 @@ def _correct(value: Any, where: str) -> float:
     raise UsageError(f"{where}: 'correct' must be true/false (or 0/1), got {value!r}")
 
 
+def _scalar(value: Any) -> Any:
+    """A hashable stand-in for a JSON value used as a key (budgets are numbers or strings such as "0.5x")."""
+    return value if value is None or isinstance(value, (str, int, float)) else json.dumps(value, sort_keys=True)
+
+
 def read_run(path: str | os.PathLike, policy: str | None = None) -> Run:
     """Read a run; `policy` selects one policy when the run holds several (required then)."""
     path = Path(path)
@@ -87,7 +93,7 @@ def read_run(path: str | os.PathLike, policy: str | None = None) -> Run:
     by_budget: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     seen: set[tuple] = set()
     for where, rec in records:
-        key = (rec.get("budget"), str(rec["id"]), rec.get("sample"))
+        key = (_scalar(rec.get("budget")), str(rec["id"]), _scalar(rec.get("sample")))
         if key in seen:
             raise UsageError(f"{where}: duplicate record for problem {key[1]!r} at budget {key[0]!r}"
                              + (f" sample {key[2]!r}" if key[2] is not None else " without a distinct 'sample'"))

@@ -1,6 +1,7 @@
 """Per-layer signal validation against occlusion labels, band selection, and the policy configuration it implies.
 
     python -m validation.layers --labels labels.jsonl --signals signals.jsonl --out runs/validation
+    python -m validation.layers --labels labels.jsonl --signals sig_mean.jsonl sig_z.jsonl --out runs/validation
 
 Reproduces EpiKV's signal-validation pipeline: the per-layer Spearman table (§4.2, Appendix 6) pooled and
 within-trace with Fisher-z intervals on n_eff = traces (Appendix 12) and a multiple-comparison correction across
@@ -10,7 +11,8 @@ are documented in `validation.signals`.
 
 Outputs under --out: layers.csv (one row per signal), scorers.csv (signals and the combined band scores ranked by
 within-trace rho), positional.csv (raw vs detrended, label rho and position rho per layer), summary.json (all of it,
-plus the bands), policy.json (when a band exists; runnable by `evictor.run --policy-config`), config.json (resolved
+plus the bands), policy.json (when both a positive and a negative band exist; runnable by
+`evictor.run --policy-config`), config.json (resolved
 configuration). Without --out the summary is printed only.
 """
 
@@ -54,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(EpiKV §3.2, §4.2, App. 6/10/12), band selection and a runnable policy configuration.",
     )
     parser.add_argument("--labels", required=True, help="occlusion labels JSONL (labeling.occlusion output)")
-    parser.add_argument("--signals", required=True,
-                        help="per-token signals: JSONL (one record per trace) or .npz (long format); "
-                        "see validation.signals for the exact layout")
+    parser.add_argument("--signals", required=True, nargs="+", metavar="FILE",
+                        help="per-token signals: JSONL (one record per trace, flat or probes.signals per-layer "
+                        "layout) or .npz (long format), see validation.signals; several files (e.g. one per "
+                        "smoothing) are merged by trace and position")
+    parser.add_argument("--include-incorrect", action="store_true",
+                        help="also use label records marked correct=false (EpiKV labels correct traces only)")
     parser.add_argument("--out", help="output directory; without it the summary is printed and nothing is written")
     parser.add_argument("--signal-names", nargs="+", metavar="NAME",
                         help="analyse only these signals (default: every signal in the file)")
@@ -193,7 +198,7 @@ def analyse(aligned: Aligned, args: argparse.Namespace) -> dict:
     result["scorers"] = rank_scorers(rows + result["combined_rows"])
     if setup is not None:
         result["positional"] = _positional_rows(rows, result["combined_rows"], setup)
-    if result["combined_rows"]:
+    if result["combined_rows"] and all(result["layers"]):
         result["policy"] = _policy(result, aligned, args)
     return result
 
@@ -217,6 +222,8 @@ def _finite_or_worst(value: float) -> float:
 
 
 def _policy(result: dict, aligned: Aligned, args: argparse.Namespace) -> dict:
+    """The policy configuration: "epikv_raw" scores with the rolling mean of g (EpiKV Eq. 1), "epikv" with the rolling
+    z-score (Eq. 2), so the raw transform maps to epikv_raw and the detrended one to epikv."""
     setup: BandSetup = result["setup"]
     positive, negative = result["layers"]
     combined = {r["signal"]: r for r in result["combined_rows"]}
@@ -235,7 +242,7 @@ def _policy(result: dict, aligned: Aligned, args: argparse.Namespace) -> dict:
     provenance = {
         "source": "validation.layers",
         "labels": str(args.labels),
-        "signals": str(args.signals),
+        "signals": [str(p) for p in args.signals],
         "family": setup.family,
         "raw_transform": setup.raw,
         "detrended_transform": setup.detrended,
@@ -249,6 +256,8 @@ def _policy(result: dict, aligned: Aligned, args: argparse.Namespace) -> dict:
         "n_traces": len(aligned.traces),
         "n_tokens": int(sum(t.labels.size for t in aligned.traces)),
         "n_dropped_traces": len(aligned.dropped_traces),
+        "skipped_label_records": aligned.skipped_labels,
+        "nonfinite_positions_dropped": aligned.nonfinite_positions,
         "bands": [b.to_dict() for b in result["bands"]],
         "combined_scores": {p: summary(r) for p, r in candidates},
         "chosen": summary(chosen),
@@ -281,6 +290,10 @@ def _print_summary(result: dict, args: argparse.Namespace, out) -> None:
         print(f"  positional {where}: position rho raw {fmt(r['raw_position_rho'])} -> detrended "
               f"{fmt(r['detrended_position_rho'])}; label rho raw {fmt(r['raw_label_rho'])} -> detrended "
               f"{fmt(r['detrended_label_rho'])}", file=out)
+    best = result["scorers"][0]
+    print(f"best scorer by within-trace rho: {best['signal']} ({fmt(best['within_rho'])})", file=out)
+    if bands and not result["policy"]:
+        print("  no policy configuration: the epikv policies need both a positive and a negative band", file=out)
     if result["policy"]:
         params = result["policy"]["params"]
         print(f"policy {result['policy']['policy']}: positive {params['positive_layers']} negative "
@@ -301,9 +314,10 @@ def _validate_args(args: argparse.Namespace) -> None:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate_args(args)
-    aligned = load_aligned(args.labels, args.signals)
+    aligned = load_aligned(args.labels, args.signals, args.include_incorrect)
     if args.signal_names:
         aligned = aligned.select(args.signal_names)
+    aligned = aligned.finite()
     result = analyse(aligned, args)
     _print_summary(result, args, sys.stdout)
     if not args.out:
@@ -323,6 +337,8 @@ def _main(argv: list[str] | None = None) -> int:
         "positional": result.get("positional", []),
         "n_traces": len(aligned.traces),
         "dropped_traces": aligned.dropped_traces,
+        "skipped_label_records": aligned.skipped_labels,
+        "nonfinite_positions_dropped": aligned.nonfinite_positions,
     })
     if result["policy"]:
         write_json(out / "policy.json", result["policy"])

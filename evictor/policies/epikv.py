@@ -169,7 +169,7 @@ class _HiddenBands(Policy):
                 raise ValueError(f"policy {self.name!r} needs ObserveInputs.hidden[{layer}] (see its `needs`)")
             hidden = inputs.hidden[layer]  # [batch, new, d_model]
             g = hidden_diffs(hidden, previous.get(layer))
-            previous[layer] = hidden[:, -1]
+            previous[layer] = hidden[:, -1].clone()  # not a view: it would keep the whole block alive
             smoothed[layer] = self.smooth(stats.setdefault(layer, RollingStats(self.window)), g)
         positive, negative = self.bands
         score = self._band_mean(smoothed, positive) - self._band_mean(smoothed, negative)

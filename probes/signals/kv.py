@@ -126,7 +126,7 @@ class LagNormaliser:
             else:
                 ref_lo, ref_hi = self._prev[0][..., None, :], self._prev[1][..., None, :]
             pieces.append((piece - ref_lo) / (ref_hi - ref_lo + self.eps))
-            self._cur = (lo[..., -1, :], hi[..., -1, :])
+            self._cur = (lo[..., -1, :].clone(), hi[..., -1, :].clone())  # not views of the whole piece
             self.seen += stop - start
             if self.seen % self.chunk == 0:
                 self._prev, self._cur = self._cur, None

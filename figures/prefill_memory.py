@@ -1,0 +1,107 @@
+"""Figure 8: prefill peak memory vs context length, fused kernels vs eager with output_attentions (EpiKV Fig. 1).
+
+    python -m models.memory --model smollm2-135m --ctx 512 1024 2048 4096 --out runs/mem
+    python -m figures.prefill_memory --input runs/mem/prefill_memory.csv --out figs [--capacity-gb 80]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, NullLocator
+
+from figures.cli import figure_main, figure_parser
+from figures.style import figure_style, kernel_label, memory_scale, new_figure, plain_log_axis, series_style
+from figures.tables import as_bool, checked, in_order, require_unique
+from models.errors import UsageError
+
+FIGURE = "prefill_memory"
+COLUMNS = ("kernel", "ctx", "peak_mem_mb")
+
+
+def plot_prefill_memory(data, *, capacity_mb: float | None = None, title: str | None = None):
+    """Peak memory of one prefill forward against context length, one line per attention kernel (log-log).
+
+    Input columns (one row per kernel and context length; `models.memory.prefill_peak_memory` writes them):
+        kernel       str    "sdpa", "flash_attention_2", "eager", "eager+attentions" or any other name
+        ctx          int    context length in tokens
+        peak_mem_mb  float  peak memory in MB (1 MB = 2**20 bytes); ignored (may be empty) where oom is true
+        oom          bool   optional: the forward ran out of memory; drawn as an × on the top edge marked "OOM"
+    `capacity_mb` draws the device's memory as a dotted horizontal line. Returns a Figure with one Axes.
+    """
+    df = checked(data, FIGURE, required=COLUMNS, numeric=("ctx", "peak_mem_mb"), finite=("ctx",))
+    df["kernel"] = df["kernel"].astype(str)
+    df["oom"] = as_bool(df["oom"], "oom", FIGURE) if "oom" in df.columns else False
+    if (df["ctx"] <= 0).any():
+        raise UsageError(f"{FIGURE}: context lengths must be positive, got {df.loc[df['ctx'] <= 0, 'ctx'].iloc[0]!r}")
+    require_unique(df, ("kernel", "ctx"), FIGURE)
+    fitted = df[~df["oom"]]
+    bad = fitted[~np.isfinite(fitted["peak_mem_mb"]) | (fitted["peak_mem_mb"] <= 0)]
+    if not bad.empty:
+        raise UsageError(f"{FIGURE}: kernel {bad.iloc[0]['kernel']!r} at ctx {bad.iloc[0]['ctx']:g} has no positive "
+                         "peak_mem_mb and is not marked oom")
+    if capacity_mb is not None and not capacity_mb > 0:
+        raise UsageError(f"{FIGURE}: capacity must be positive, got {capacity_mb!r}")
+    scale, unit = memory_scale([*fitted["peak_mem_mb"], capacity_mb or 0.0])
+    kernels = in_order(df["kernel"])
+
+    with figure_style():
+        fig, ax = new_figure()
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        plain_log_axis(ax.yaxis)
+        values = fitted["peak_mem_mb"] / scale
+        top = max([*values, (capacity_mb or 0) / scale]) * 1.6
+        bottom = min(values) / 1.6 if not values.empty else top / 100
+        for i, kernel in enumerate(kernels):
+            style = series_style(i)
+            part = df[df["kernel"] == kernel].sort_values("ctx")
+            ok = part[~part["oom"]]
+            ax.plot(ok["ctx"], ok["peak_mem_mb"] / scale, label=kernel_label(kernel), **style)
+            failed = part[part["oom"]]
+            if not failed.empty:
+                ax.plot(failed["ctx"], np.full(len(failed), top), linestyle="none", marker="X", markersize=9,
+                        color=style["color"], clip_on=False, zorder=5)
+                ax.annotate("OOM", (failed["ctx"].iloc[0], top), xytext=(0, 7), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=9, color=style["color"], annotation_clip=False)
+        if capacity_mb:
+            ax.axhline(capacity_mb / scale, color="black", linestyle=":", linewidth=1.1,
+                       label=f"device memory ({capacity_mb / scale:g} {unit})")
+        ax.set_ylim(bottom, top)
+        ticks = sorted(df["ctx"].unique())
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{t:g}" for t in ticks], rotation=45 if len(ticks) > 7 else 0)
+        ax.set_xlabel("Context length (tokens)")
+        ax.set_ylabel(f"Peak memory ({unit}, log scale)")
+        if title:
+            ax.set_title(title)
+        handles, labels = ax.get_legend_handles_labels()
+        if df["oom"].any():
+            handles.append(Line2D([], [], color="black", marker="X", linestyle="none", markersize=8))
+            labels.append("out of memory")
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
+    return fig
+
+
+def _draw(table: pd.DataFrame, args: argparse.Namespace):
+    capacity = args.capacity_gb * 1024 if args.capacity_gb is not None else None
+    return plot_prefill_memory(table, capacity_mb=capacity, title=args.title)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = figure_parser(FIGURE, "Prefill peak memory against context length per attention kernel "
+                           "(fused vs eager with output_attentions=True).", FIGURE,
+                           "kernel, ctx, peak_mem_mb[, oom] (models.memory writes this table)")
+    parser.add_argument("--capacity-gb", type=float, default=None,
+                        help="device memory in GB (1 GB = 1024 MB) drawn as a dotted line, e.g. 80")
+    return parser
+
+
+main = figure_main(build_parser(), _draw)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

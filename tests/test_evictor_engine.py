@@ -1,0 +1,516 @@
+"""The eviction engine: protocol arithmetic and selection by hand, then tiny-model integration (exactness against
+plain `generate`, RoPE/position correctness after evictions, per-policy invariants, block prefill, batching,
+attention sources, keep-logs) and one fast SmolLM2 check."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from evictor.attention import group_average, recompute_attention
+from evictor.cache import position_mask
+from evictor.engine import EvictionEngine, select_slots
+from evictor.instrument import kept_positions
+from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
+from evictor.protocol import EvictionConfig, plan_round, resolve_budget, sequence_budgets
+from models.errors import UsageError
+from models.tiny import tiny_model
+from tasks.generation import stop_token_ids
+
+TEXT = "Let x = 7 and y = 5. Then x*y = ?"
+
+
+# --- test-local policies (the contract, independent of evictor.policies) ---------------------------------------------
+class LocalRandom(Policy):
+    name = "local_random"
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return torch.rand(inputs.positions.shape, generator=inputs.generator)
+
+
+class LocalOldest(Policy):
+    """Keeps the oldest candidates: a deterministic, position-only rule shared by every head."""
+
+    name = "local_oldest"
+    shared_across_heads = True
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return -inputs.positions.float()
+
+
+class LocalKeyNormFrozen(Policy):
+    """Frozen per-head key norms through `observe`, plus reads of candidate keys."""
+
+    name = "local_keynorm_frozen"
+    default_protection = "sinks"
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(keys=True, cache=True)
+
+    def observe(self, inputs: ObserveInputs) -> torch.Tensor:
+        return inputs.keys.float().norm(dim=-1)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        torch.testing.assert_close(inputs.frozen, inputs.keys.float().norm(dim=-1))
+        return inputs.frozen
+
+
+class LocalAttention(Policy):
+    """TOVA-like: the newest query's attention."""
+
+    name = "local_attention"
+    default_protection = "none"
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(attention=True, queries_window=3)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return inputs.attention[..., -1, :]
+
+
+LOCAL = {cls.name: cls for cls in (LocalRandom, LocalOldest, LocalKeyNormFrozen, LocalAttention)}
+REGISTERED = policy_names()
+ALL = list(LOCAL) + REGISTERED
+
+
+def make_policy(name: str) -> Policy:
+    return LOCAL[name]() if name in LOCAL else get_policy(name)
+
+
+def ids_of(lm, text: str = TEXT) -> list[int]:
+    return [lm.tokenizer.bos_token_id] + lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def hf_greedy(lm, prompt: list[int], n: int) -> list[int]:
+    stops = stop_token_ids(lm.tokenizer, lm.model)
+    out = lm.model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=n,
+        do_sample=False, eos_token_id=stops, pad_token_id=lm.tokenizer.pad_token_id,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_eager():
+    return tiny_model("llama", seed=0, attn_implementation="eager")
+
+
+# --- protocol arithmetic, derived by hand ------------------------------------------------------------------------------
+def test_plan_round_interval_and_step_by_hand():
+    # 10 resident tokens, prompt of 2 protected, K = 5, r = 2: candidates are slots 2..7 (6 of them), K - 2 = 3 survive,
+    # so 7 = K + r remain.
+    common = dict(slots=10, n_valid=[10], next_pos=[10], limits=[2], budgets=[5], buffer=2, recency=0)
+    plan = plan_round(**common, trigger="interval", boundary=False)
+    assert plan.triggered == (True,) and plan.n_keep == (7,) and plan.slots == 7
+    assert (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0]) == (2, 8, 3)
+    # interval fires only from K + 2r = 9 resident tokens; step fires from K + r + 1 = 8
+    eight = dict(common, slots=8, n_valid=[8], next_pos=[8])
+    assert plan_round(**eight, trigger="interval", boundary=False) is None
+    assert plan_round(**eight, trigger="step", boundary=False).n_keep == (7,)
+    # a recency window of 1 counts in K: the candidates shrink by one slot and one fewer survives
+    plan = plan_round(**dict(common, recency=1), trigger="interval", boundary=False)
+    assert (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0], plan.n_keep[0]) == (2, 7, 2, 7)
+
+
+def test_plan_round_batch_with_padding_by_hand():
+    # sequence 0 has 10 tokens, sequence 1 has 6 (4 padding slots on the left); only sequence 0 is over budget
+    plan = plan_round(slots=10, n_valid=[10, 6], next_pos=[10, 6], limits=[2, 2], budgets=[5, 5], buffer=2,
+                      recency=0, trigger="step", boundary=False)
+    assert plan.triggered == (True, False)
+    assert plan.n_keep == (7, 6) and plan.slots == 7
+    assert plan.span == (2, 8)
+    assert (plan.cand_start[1], plan.cand_end[1]) == (6, 8)  # padding 4 + 2 protected; 2 candidates before the buffer
+
+
+def test_select_slots_by_hand():
+    inf = float("inf")
+    priority = torch.tensor([[[inf, 0.1, 0.9, 0.5, inf]], [[-inf, -inf, inf, 0.2, inf]]])
+    index, valid = select_slots(priority, torch.tensor([4, 3]), 4)
+    # sequence 0 keeps slots {0, 2, 3, 4}; sequence 1 keeps {2, 3, 4} right-aligned behind one padding slot
+    assert index[0, 0].tolist() == [0, 2, 3, 4] and valid[0, 0].all()
+    assert index[1, 0, 1:].tolist() == [2, 3, 4] and valid[1, 0].tolist() == [False, True, True, True]
+
+
+def test_position_mask_by_hand():
+    mask = position_mask(torch.tensor([[[0, 3, -1, 5]]]), torch.tensor([[5]]), window=3, n_rep=2, dtype=torch.float32)
+    low = torch.finfo(torch.float32).min
+    assert mask.shape == (1, 2, 1, 4)
+    assert mask[0, 0, 0].tolist() == [low, 0.0, low, 0.0]  # 5 - 0 >= 3 out of window; -1 padding
+    assert torch.equal(mask[0, 0], mask[0, 1])  # both query heads of the group
+
+
+def test_recompute_attention_by_hand():
+    # d = 1, scaling 1: keys 0 and ln 3 -> query head 0 (q = 1) gives [1/4, 3/4]; head 1 (q = 0) gives [1/2, 1/2];
+    # their group mean is [3/8, 5/8]. A padding query row is zero.
+    keys = torch.tensor([[[[0.0], [math.log(3)]]]])
+    queries = torch.tensor([[[[1.0], [1.0]], [[0.0], [0.0]]]])  # [b, q_head=2, Q=2, d=1]
+    probs = recompute_attention(queries, torch.tensor([[1, -1]]), keys, torch.tensor([[[0, 1]]]), scaling=1.0)
+    torch.testing.assert_close(probs[0, 0, 0], torch.tensor([3 / 8, 5 / 8]))
+    assert probs[0, 0, 1].abs().sum() == 0
+    # causality by position: a query at position 0 sees only key 0
+    probs = recompute_attention(queries[:, :, :1], torch.tensor([[0]]), keys, torch.tensor([[[0, 1]]]), scaling=1.0)
+    torch.testing.assert_close(probs[0, 0, 0], torch.tensor([1.0, 0.0]))
+
+
+def test_group_average_by_hand():
+    weights = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]], [[0.5, 0.5]], [[1.0, 0.0]]]])  # 4 q heads, 2 kv heads
+    assert group_average(weights, 2)[0, :, 0].tolist() == [[0.5, 0.5], [0.75, 0.25]]
+
+
+def test_kept_positions_by_hand():
+    log = {"round": np.array([0, 0, 1]), "layer": np.array([0, 0, 0]), "head": np.array([0, 1, 0]),
+           "position": np.array([1, 2, 3]), "round_next_pos": np.array([5, 7])}
+    assert kept_positions(log, 0, 0, 0).tolist() == [0, 2, 3, 4]
+    assert kept_positions(log, 1, 0, 0).tolist() == [0, 2, 4, 5, 6]
+    assert kept_positions(log, 1, 0, 1).tolist() == [0, 1, 3, 4, 5, 6]
+
+
+def test_budget_resolution_and_long_prompts():
+    assert resolve_budget(0.25, 1000) == 250 and resolve_budget(0.3, 10) == 3 and resolve_budget(512, 7) == 512
+    config = EvictionConfig(budget=8)
+    with pytest.raises(UsageError, match="10 protected tokens"):
+        sequence_budgets([8], [10], "prompt", config)
+    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="expand")) == ([10], [10])
+    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="sinks")) == ([8], [4])
+    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, budget_scope="trace", recency=2)) == ([20], [10])
+    for bad in (dict(budget=0), dict(budget=2.5), dict(buffer=0), dict(block=0), dict(trigger="often")):
+        with pytest.raises(UsageError):
+            EvictionConfig(**bad)
+
+
+# --- exactness: K larger than the sequence == plain generate ----------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_every_policy_with_a_large_budget_matches_generate(name, tiny):
+    prompt = ids_of(tiny, TEXT + " and more words to pass the sliding window of sixteen")
+    expected = hf_greedy(tiny, prompt, 24)
+    config = EvictionConfig(budget=10_000, buffer=8, block=16)
+    result = EvictionEngine(tiny, make_policy(name), config).generate([prompt], 24)
+    assert result.sequences[0].generated_ids == expected
+    assert result.stats["decode_rounds"] == 0
+
+
+def test_attention_policies_with_eager_source_match_generate(tiny_llama_eager):
+    prompt = ids_of(tiny_llama_eager)
+    expected = hf_greedy(tiny_llama_eager, prompt, 20)
+    for name in ["local_attention"] + [n for n in REGISTERED if get_policy(n).needs.attention]:
+        engine = EvictionEngine(tiny_llama_eager, make_policy(name), EvictionConfig(budget=10_000, buffer=4))
+        assert engine.attention_source == "eager"
+        assert engine.generate([prompt], 20).sequences[0].generated_ids == expected, name
+
+
+# --- RoPE and masks after evictions -----------------------------------------------------------------------------------
+def _run_until_evicted(engine, prompt, steps):
+    """A session after `steps` greedy decode steps (at least one round done); returns (session, next token)."""
+    session = engine.session([prompt], max_new_tokens=steps + 1)
+    session.__enter__()
+    logits = session.prefill()
+    tokens = [logits.argmax(-1)]
+    for _ in range(steps):
+        logits = session.step(tokens[-1])
+        tokens.append(logits.argmax(-1))
+    assert session.rounds[0] >= 2
+    return session, tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_one_layer_logits_equal_a_from_scratch_forward_over_kept_tokens(family):
+    """With one layer, K/V depend only on (token, position): a plain forward over the whole sequence at its original
+    positions, with a per-head mask admitting only each head's kept positions, must give the engine's logits."""
+    overrides = {"num_hidden_layers": 1}
+    if family == "gemma3":
+        overrides["layer_types"] = ["sliding_attention"]
+    lm = tiny_model(family, seed=1, **overrides)
+    prompt = ids_of(lm)
+    engine = EvictionEngine(lm, LocalRandom(), EvictionConfig(budget=20, buffer=4, protect="sinks"))
+    with torch.inference_mode():
+        session, tokens = _run_until_evicted(engine, prompt, 30)
+        store = session.cache.layers[0]
+        kept = store.positions[0]  # [kv, S]
+        token = tokens[-1]
+        logits = session.step(token)
+        session.__exit__(None, None, None)
+        sequence = torch.tensor([prompt + [int(t) for t in tokens]])
+        length = sequence.shape[1]
+        query = length - 1
+        heads = lm.config.num_attention_heads
+        allowed = torch.zeros(1, heads, length, length, dtype=torch.bool)
+        allowed[0, :, torch.arange(length), torch.arange(length)] = True  # every row attends at least itself
+        group = heads // lm.config.num_key_value_heads
+        for head in range(heads):
+            visible = kept[head // group]
+            visible = visible[visible >= 0].long()
+            if store.sliding_window:
+                visible = visible[query - visible < store.sliding_window]
+            allowed[0, head, query, visible] = True
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        mask_arg = {"full_attention": mask, "sliding_attention": mask} if family == "gemma3" else mask
+        reference = lm.model(input_ids=sequence, position_ids=torch.arange(length)[None], attention_mask=mask_arg).logits
+    assert len(set(map(tuple, kept.tolist()))) > 1  # per-head keep sets really differ
+    torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_shared_keep_set_logits_equal_a_dynamic_cache_at_the_true_position(family):
+    """Multi-layer: a plain DynamicCache filled with the engine's kept K/V and the next token at its true position_id
+    gives the engine's logits (the new token's RoPE comes from its position, not from the cache length)."""
+    lm = tiny_model(family, seed=2)
+    prompt = ids_of(lm, TEXT + " plus a longer tail for windows")
+    engine = EvictionEngine(lm, LocalRandom(), EvictionConfig(budget=24, buffer=4, protect="sinks", shared=True))
+    with torch.inference_mode():
+        session, tokens = _run_until_evicted(engine, prompt, 24)
+        cache = DynamicCache(config=lm.config)
+        position = session.next_pos[0]
+        for index, store in enumerate(session.cache.layers):
+            assert (store.positions == store.positions[:, :1]).all()  # shared: identical across heads
+            if store.sliding_window:  # out-of-window slots are what the engine masks; drop them for HF
+                inside = (position - store.positions[0, 0]) < store.sliding_window
+                cache.update(store.keys[:, :, inside].clone(), store.values[:, :, inside].clone(), index)
+            else:
+                cache.update(store.keys.clone(), store.values.clone(), index)
+        gaps = position - session.cache.slots
+        logits = session.step(tokens[-1])
+        session.__exit__(None, None, None)
+        reference = lm.model(input_ids=tokens[-1].view(1, 1), position_ids=torch.tensor([[position]]), cache=cache,
+                             use_cache=True).logits
+    assert gaps > 0  # evictions happened, so cache length and position differ
+    torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-5, atol=1e-5)
+
+
+# --- invariants on every policy ----------------------------------------------------------------------------------------
+def _recording(policy: Policy, calls: list) -> Policy:
+    base = type(policy)
+
+    class Recorded(base):
+        def score(self, inputs: ScoreInputs) -> torch.Tensor:
+            calls.append(inputs)
+            return base.score(self, inputs)
+
+    Recorded.__name__ = base.__name__
+    recorded = copy.copy(policy)
+    recorded.__class__ = Recorded
+    return recorded
+
+
+K, R = 40, 4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_engine_invariants_for_every_policy(name, tiny_llama):
+    calls: list[ScoreInputs] = []
+    policy = _recording(make_policy(name), calls)
+    engine = EvictionEngine(tiny_llama, policy, EvictionConfig(budget=K, buffer=R, block=8, recency=2))
+    prompt = ids_of(tiny_llama)
+    protect = engine.protect
+    limit = {"prompt": len(prompt), "sinks": 4, "none": 0}[protect]
+    differs = False
+    with torch.inference_mode(), engine.session([prompt], max_new_tokens=70) as session:
+        logits = session.prefill()
+        for _ in range(70):
+            rounds = session.rounds[0]
+            calls.clear()
+            logits = session.step(logits.argmax(-1))
+            nxt = session.next_pos[0]
+            for store in session.cache.layers:
+                pos = store.positions[0]  # [kv, S]
+                assert (pos >= 0).all() and (pos[:, 1:] > pos[:, :-1]).all()  # valid, sorted, distinct
+                assert set(range(limit)) <= set(pos[0].tolist())  # protected never evicted
+                assert set(range(nxt - R - 2, nxt)) <= set(pos[0].tolist())  # buffer and recency window kept
+                same = (pos == pos[:1]).all()
+                differs |= not bool(same)
+                if engine.shared:
+                    assert same
+            if policy.scores_nothing:
+                assert not calls and session.cache.slots == nxt and session.rounds[0] == 0
+                continue
+            if session.rounds[0] > rounds:
+                assert session.cache.slots == K + R  # kept-set size per head
+                assert sorted({c.layer for c in calls}) == list(range(tiny_llama.config.num_hidden_layers))
+                for inputs in calls:
+                    candidates = inputs.positions[inputs.candidate_mask]
+                    assert candidates.numel() > 0
+                    assert candidates.max() < nxt - R - 2  # the buffer and the window are never scored
+                    assert candidates.min() >= limit  # protected tokens are never candidates
+            else:
+                assert not calls
+        assert policy.scores_nothing or session.rounds[0] >= 3
+        if engine.needs.fa_compatible:
+            assert session.feed is None and all(c.attention is None for c in calls)
+        else:
+            assert session.feed.requests > 0
+    if not policy.scores_nothing and not engine.shared:
+        assert differs, f"{name} is per-head but every head kept the same positions"
+
+
+def test_fa_compatible_policies_never_request_attention_even_on_the_eager_kernel(tiny_llama_eager):
+    for name in ["local_random", "local_keynorm_frozen"] + [n for n in REGISTERED if get_policy(n).needs.fa_compatible]:
+        result = EvictionEngine(tiny_llama_eager, make_policy(name), EvictionConfig(budget=30, buffer=4, protect="sinks")
+                                ).generate([ids_of(tiny_llama_eager)], 40, ignore_eos=True)
+        assert result.stats["attention_requests"] == 0 and result.stats["attention_source"] is None, name
+
+
+# --- attention sources ---------------------------------------------------------------------------------------------------
+def test_window_recompute_equals_eager_weights_before_any_eviction(tiny_llama_eager):
+    """At the first round nothing has been evicted yet, so recomputing the last queries' attention over the cache must
+    reproduce the weights the eager kernel returned for them."""
+    first: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"eager": {}, "window": {}}
+    prompt = ids_of(tiny_llama_eager)
+    for source in ("eager", "window"):
+
+        class Grab(LocalAttention):
+            def score(self, inputs):
+                first[source].setdefault(inputs.layer, (inputs.attention.clone(), inputs.query_positions.clone()))
+                return super().score(inputs)
+
+        config = EvictionConfig(budget=len(prompt) + 8, buffer=4, protect="none", attention_source=source)
+        engine = EvictionEngine(tiny_llama_eager, Grab(), config)
+        assert engine.attention_source == source
+        engine.generate([prompt], 20, ignore_eos=True)
+    assert first["eager"].keys() == first["window"].keys() == set(range(4))
+    for layer in range(4):
+        (eager, eager_pos), (window, window_pos) = first["eager"][layer], first["window"][layer]
+        assert eager.shape[-2] == 3 and eager.sum() > 0  # queries_window = 3, real probabilities
+        assert torch.equal(eager_pos, window_pos)
+        torch.testing.assert_close(eager, window, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_source_refused_on_sdpa(tiny_llama):
+    with pytest.raises(UsageError, match="eager"):
+        EvictionEngine(tiny_llama, LocalAttention(), EvictionConfig(attention_source="eager"))
+    engine = EvictionEngine(tiny_llama, get_policy("h2o"), EvictionConfig())
+    assert engine.attention_source == "window" and engine.query_window == EvictionConfig().buffer
+
+
+# --- block prefill ---------------------------------------------------------------------------------------------------
+def test_block_at_least_prompt_is_ordinary_prefill_and_small_blocks_bound_the_cache(tiny_llama):
+    prompt = ids_of(tiny_llama, TEXT * 4)
+    with torch.inference_mode():
+        plain = tiny_llama.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=10_000, block=len(prompt)))
+        with engine.session([prompt]) as session:
+            assert torch.equal(session.prefill()[0], plain)  # exactly, bit for bit
+        engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=10_000, block=16))
+        with engine.session([prompt]) as session:
+            torch.testing.assert_close(session.prefill()[0], plain, rtol=1e-5, atol=1e-5)
+        engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=32, buffer=4, block=16, protect="none"))
+        with engine.session([prompt]) as session:
+            session.prefill()
+            assert session.peak_slots <= 32 + 4 + 16
+            assert session.cache.slots == 32 + 4 and session.rounds[0] >= len(prompt) // 16 - 2
+
+
+# --- batching ----------------------------------------------------------------------------------------------------------
+def test_batched_left_padded_decoding_matches_single_sequences(tiny):
+    prompts = [ids_of(tiny, TEXT), ids_of(tiny, "Short one"), ids_of(tiny, TEXT + " with a much longer tail here")]
+    config = EvictionConfig(budget=10_000, buffer=4, block=8)
+    single = [EvictionEngine(tiny, LocalRandom(), config).generate([p], 16).sequences[0].generated_ids for p in prompts]
+    batched = EvictionEngine(tiny, LocalRandom(), config).generate(prompts, 16)
+    assert [s.generated_ids for s in batched.sequences] == single
+
+
+def test_batched_eviction_keeps_per_sequence_budgets(tiny_llama):
+    prompts = [ids_of(tiny_llama, "Hi"), ids_of(tiny_llama, TEXT)]
+    engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=24, buffer=4, trigger="step", protect="sinks"))
+    result = engine.generate(prompts, 40, budgets=[24, 30], ignore_eos=True)
+    for seq, budget in zip(result.sequences, (24, 30)):
+        assert max(seq.cache_sizes) == budget + 4 + 1  # step trigger: K + r, plus the token being attended
+        assert seq.rounds > 0
+
+
+# --- keep-logs, determinism, memory ------------------------------------------------------------------------------------
+def test_keep_log_reconstructs_the_cache_and_runs_are_seeded(tiny_llama):
+    prompt = ids_of(tiny_llama)
+    config = EvictionConfig(budget=24, buffer=4, protect="sinks", keep_log=True, seed=3)
+    engine = EvictionEngine(tiny_llama, LocalRandom(), config)
+    with torch.inference_mode(), engine.session([prompt], max_new_tokens=40) as session:
+        logits = session.prefill()
+        for _ in range(40):
+            logits = session.step(logits.argmax(-1))
+        final = [store.positions[0].clone() for store in session.cache.layers]
+        log = session.keep_log.for_sequence(0)
+        rounds = len(log["round_step"])
+    for layer, positions in enumerate(final):
+        for head in range(positions.shape[0]):
+            alive = kept_positions(log, rounds - 1, layer, head)
+            tail = np.arange(log["round_next_pos"][-1], session.next_pos[0])  # appended after the last round
+            assert positions[head].tolist() == np.concatenate([alive, tail]).tolist()
+    first = engine.generate([prompt], 40, ignore_eos=True).sequences[0]
+    again = engine.generate([prompt], 40, ignore_eos=True).sequences[0]
+    other = engine.generate([prompt], 40, ignore_eos=True, seed=4).sequences[0]
+    assert np.array_equal(first.keep_log["position"], again.keep_log["position"])
+    assert not np.array_equal(first.keep_log["position"], other.keep_log["position"])
+
+
+def test_storage_is_bounded_by_the_budget_not_the_length(tiny_llama):
+    engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=16, buffer=4, block=8, protect="sinks"))
+    result = engine.generate([ids_of(tiny_llama, TEXT * 3)], 200, ignore_eos=True)
+    bytes_per_slot = 4 * 2 * 2 * 16 * 4 + 4 * 2 * 4  # layers x (K+V) x kv heads x d_head x fp32 + int32 positions
+    assert result.stats["peak_slots"] <= 16 + 4 + 8
+    assert result.stats["cache_allocated_peak_bytes"] <= bytes_per_slot * (16 + 2 * 4 + 8 + 1) * 2
+    full = EvictionEngine(tiny_llama, get_policy("full"), EvictionConfig()).generate(
+        [ids_of(tiny_llama, TEXT * 3)], 200, ignore_eos=True)
+    assert full.stats["peak_slots"] > 4 * result.stats["peak_slots"]
+
+
+def test_bad_setups_are_usage_errors(tiny_llama):
+    class Deep(LocalRandom):
+        @property
+        def needs(self):
+            return Needs(hidden_layers=(7,))
+
+    with pytest.raises(UsageError, match="hidden layers"):
+        EvictionEngine(tiny_llama, Deep())
+    with pytest.raises(UsageError, match="exceed the budget"):
+        EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=4)).generate([ids_of(tiny_llama)], 4)
+    with pytest.raises(UsageError, match="unknown policy"):
+        EvictionEngine(tiny_llama, "randon")
+
+
+# --- real model ----------------------------------------------------------------------------------------------------------
+@pytest.mark.realmodel
+def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smollm2):
+    from tasks.datasets import Problem
+    from tasks.prompts import build_prompt_ids
+
+    prompt = build_prompt_ids(smollm2.tokenizer, Problem("t", "What is 3 + 4?", "7", "gsm8k"))
+    expected = hf_greedy(smollm2, prompt, 12)
+    engine = EvictionEngine(smollm2, "random", EvictionConfig(budget=4096, buffer=8))
+    assert engine.generate([prompt], 12).sequences[0].generated_ids == expected
+    engine = EvictionEngine(smollm2, "random_shared", EvictionConfig(budget=len(prompt) + 6, buffer=4))
+    with torch.inference_mode():
+        session, tokens = _run_until_evicted(engine, prompt, 14)
+        cache = DynamicCache(config=smollm2.config)
+        for index, store in enumerate(session.cache.layers):
+            cache.update(store.keys.clone(), store.values.clone(), index)
+        position = session.next_pos[0]
+        logits = session.step(tokens[-1])
+        session.__exit__(None, None, None)
+        reference = smollm2.model(input_ids=tokens[-1].view(1, 1), position_ids=torch.tensor([[position]]),
+                                  cache=cache, use_cache=True).logits
+    torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_gemma3_270m_exact_with_large_budget(gemma3_270m):
+    prompt = ids_of(gemma3_270m, "Problem: What is 12 times 13?\n\nSolution:")
+    expected = hf_greedy(gemma3_270m, prompt, 24)
+    for name in ("random", "valuediff", "epikv", "snapkv"):
+        engine = EvictionEngine(gemma3_270m, name, EvictionConfig(budget=4096, buffer=8))
+        assert engine.generate([prompt], 24).sequences[0].generated_ids == expected, name
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_smollm2_every_policy_exact_with_large_budget(smollm2):
+    prompt = ids_of(smollm2, "The capital of France is")
+    expected = hf_greedy(smollm2, prompt, 16)
+    for name in REGISTERED:
+        engine = EvictionEngine(smollm2, name, EvictionConfig(budget=4096, buffer=8))
+        assert engine.generate([prompt], 16).sequences[0].generated_ids == expected, name

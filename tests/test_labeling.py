@@ -1,0 +1,144 @@
+"""Occlusion labelling: windows and labels by hand; the fast engine reproduces the naive one token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labeling.occlusion import OcclusionLabeler, resolve_replacement
+from labeling.regenerate import PrefixCache, regenerate_naive, regenerate_shared_prefix
+from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
+from models.errors import UsageError
+from models.tiny import tiny_model, tiny_tokenizer
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many tiny forwards: one thread avoids oversubscribing the shared 2-core machine (10x faster there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPT = "<|bos|><|user|>What is 6*7?<|eos|><|assistant|>"
+REASONING = "Let us think. Six times seven: six sevens are forty-two, check 7*6=42 again. So"
+
+
+def test_occlusion_windows_by_hand():
+    assert occlusion_windows(10, 26, 8, 4) == [(10, 18), (14, 22), (18, 26)]
+    # the regular windows stop at 12..20; one more window flush with the end covers position 20
+    assert occlusion_windows(0, 21, 8, 4) == [(0, 8), (4, 12), (8, 16), (12, 20), (13, 21)]
+    assert occlusion_windows(5, 12, 8, 4) == []  # span of 7 < window
+    assert occlusion_windows(5, 13, 8, 8) == [(5, 13)]
+    with pytest.raises(ValueError, match="untested"):
+        occlusion_windows(0, 40, 8, 9)
+
+
+def test_occlude_replaces_or_deletes():
+    ids = [1, 2, 3, 4, 5]
+    assert occlude(ids, 1, 3, 0) == [1, 0, 0, 4, 5]
+    assert occlude(ids, 1, 3, None) == [1, 4, 5]
+
+
+def test_position_labels_or_over_covering_windows():
+    windows = [(3, 7), (5, 9), (7, 11)]
+    labels = position_labels(3, 12, windows, [False, True, False])
+    assert labels == [1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]
+
+
+def test_find_answer_boundary_think_boxed_tail():
+    tok = tiny_tokenizer()
+    gen = tok.encode("abc</think>x \\boxed{1} y \\boxed{2}", add_special_tokens=False)
+    b = find_answer_boundary(tok, 10, gen)
+    assert (b.kind, b.answer_start) == ("think", 10 + 3)  # the first </think> (one special token) at index 3
+    gen = tok.encode("ab \\boxed{1} c \\boxed{22}", add_special_tokens=False)
+    b = find_answer_boundary(tok, 10, gen)
+    assert b.kind == "boxed" and tok.decode(gen[b.answer_start - 10:]) == "\\boxed{22}"  # the last box
+    gen = tok.encode("x" * 100, add_special_tokens=False)
+    assert find_answer_boundary(tok, 10, gen, tail=64) == find_answer_boundary(tok, 10, gen)
+    assert find_answer_boundary(tok, 10, gen).answer_start == 10 + 36
+
+
+def test_resolve_replacement():
+    tok = tiny_tokenizer()
+    assert resolve_replacement(tok, "pad") == tok.pad_token_id
+    assert resolve_replacement(tok, "space") == tok.encode(" ", add_special_tokens=False)[0]
+    assert resolve_replacement(tok, "dot") == tok.encode(".", add_special_tokens=False)[0]
+    assert resolve_replacement(tok, "delete") is None
+    assert resolve_replacement(tok, "7") == 7
+    with pytest.raises(UsageError, match="out of range"):
+        resolve_replacement(tok, "100000")
+    with pytest.raises(UsageError, match="valid choices"):
+        resolve_replacement(tok, "blank")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+def chaotic_tiny(request):
+    """Larger init than the default, so occlusion changes greedy continuations part-way (a mix of agreeing,
+    diverging-late and diverging-at-once windows exercises every path of draft verification)."""
+    return tiny_model(request.param, seed=0, initializer_range=0.1)
+
+
+def test_greedy_decode_matches_hf_generate(tiny_llama):
+    from tasks.generation import generate, stop_token_ids
+
+    prompt = tiny_llama.tokenizer.encode(PROMPT + REASONING)
+    ours = regenerate_naive(tiny_llama.model, [prompt], 12, stop_token_ids(tiny_llama.tokenizer, tiny_llama.model))
+    assert ours[0] == generate(tiny_llama, prompt, 12).generated_ids
+
+
+@pytest.mark.parametrize("replacement", ["pad", "delete"])
+def test_fast_engine_reproduces_naive_continuations(chaotic_tiny, replacement):
+    tok, model = chaotic_tiny.tokenizer, chaotic_tiny.model
+    ids = tok.encode(PROMPT + REASONING)  # 99 tokens: longer than the gemma3 tiny's 16-token sliding window
+    filler = None if replacement == "delete" else tok.pad_token_id
+    windows = occlusion_windows(16, len(ids), 8, 4)
+    stops = [tok.eos_token_id]
+    naive = regenerate_naive(model, [ids] + [occlude(ids, s, e, filler) for s, e in windows], 10, stops)
+    prefix = PrefixCache(model, ids)
+    (reference,) = regenerate_shared_prefix(prefix, [(15, ids[15:])], 10, stops)
+    rows = [(s, occlude(ids, s, e, filler)[s:]) for s, e in windows]
+    fast = regenerate_shared_prefix(prefix, rows, 10, stops, batch_size=3, draft=reference, draft_chunk=3)
+    assert reference == naive[0]
+    assert fast == naive[1:]
+    if replacement == "pad":  # the case really mixes agreeing and diverging windows
+        agreed = [next((j for j, (a, b) in enumerate(zip(o, reference)) if a != b), len(o)) for o in naive[1:]]
+        assert len(set(agreed)) > 1
+
+
+def test_prefix_cache_only_moves_forward(tiny_llama):
+    prefix = PrefixCache(tiny_llama.model, list(range(40, 60)))
+    assert prefix.copy_at(5, 2).get_seq_length() == 5
+    assert prefix.copy_at(9, 1).layers[0].keys.shape[:3] == (1, 2, 9)
+    with pytest.raises(ValueError, match="cannot go back"):
+        prefix.copy_at(4, 1)
+
+
+def _labeler(lm, method, **kw):
+    tok = lm.tokenizer
+    return OcclusionLabeler(lm.model, tok, answer_of=lambda text: text[:4] or None, same=lambda a, b: a == b,
+                            stop_ids=[tok.eos_token_id], window=8, stride=4, replacement=tok.pad_token_id,
+                            max_answer_tokens=8, batch_size=4, method=method, **kw)
+
+
+def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
+    tok = chaotic_tiny.tokenizer
+    prompt = tok.encode(PROMPT)
+    generated = tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False)
+    fast = _labeler(chaotic_tiny, "fast").label(prompt, generated)
+    naive = _labeler(chaotic_tiny, "naive").label(prompt, generated)
+    again = _labeler(chaotic_tiny, "fast").label(prompt, generated)
+    assert fast["status"] == "labelled" and fast["boundary"] == "boxed"
+    for key in ("labels", "windows", "reference_answer", "answer_start", "positions"):
+        assert fast[key] == naive[key] == again[key], key
+    assert fast["labels"][: len(prompt)] == [1] * len(prompt)
+    assert len(fast["labels"]) == fast["answer_start"]
+    windows = fast["windows"]
+    flipped = {p for w in windows if w["flipped"] for p in range(w["start"], w["end"])}
+    assert [i for i, v in enumerate(fast["labels"]) if v and i >= len(prompt)] == sorted(flipped)
+
+
+def test_labeler_skips_short_spans(tiny_llama):
+    tok = tiny_llama.tokenizer
+    record = _labeler(tiny_llama, "fast").label(tok.encode(PROMPT), tok.encode("ok \\boxed{1}", add_special_tokens=False))
+    assert record["status"] == "skipped" and "reasoning span 3 < window 8" in record["reason"]
