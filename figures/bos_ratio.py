@@ -1,4 +1,4 @@
-"""Figure 4: BOS key cosine vs sigma_V / sigma_K, coloured by a method gap such as ValueDiff − KeyDiff (ValueDiff Fig. 2).
+"""Figure 4: BOS key cosine vs sigma_V / sigma_K, coloured by a method gap such as ValueDiff − KeyDiff (Fig. 2).
 
     python -m figures.bos_ratio --input models.csv --out figs --gap-label "ValueDiff − KeyDiff accuracy (points)"
 """

@@ -58,8 +58,9 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
         # printed above the bar.
         x = ticks - 0.08 if has_recall else ticks
         error = np.vstack([df["retrieval"] - df["ci_low"], df["ci_high"] - df["retrieval"]])
-        ax.bar(x, df["retrieval"], width=0.64 if has_recall else 0.7, color=[colour_of[n] for n in df["n_heads"]], edgecolor="black",
-               linewidth=0.5, yerr=np.where(np.isfinite(error), error, 0.0), error_kw={"elinewidth": 1.0})
+        ax.bar(x, df["retrieval"], width=0.64 if has_recall else 0.7, color=[colour_of[n] for n in df["n_heads"]],
+               edgecolor="black", linewidth=0.5, yerr=np.where(np.isfinite(error), error, 0.0),
+               error_kw={"elinewidth": 1.0})
         for xi, value, high in zip(x, df["retrieval"], df["ci_high"]):
             above = high if np.isfinite(high) else value
             ax.annotate(f"{value:.2f}", (xi, above), xytext=(0, 3), textcoords="offset points", ha="center",
@@ -67,8 +68,8 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
         handles = [Patch(facecolor=colour_of[n], edgecolor="black", label=f"{n} head{'s' if n > 1 else ''}")
                    for n in sizes]
         if has_recall:
-            ax.plot(ticks + 0.36, df["recall_R"], linestyle="none", marker="D", markersize=6, color=OKABE_ITO["vermillion"],
-                    markeredgecolor="black", zorder=4)
+            ax.plot(ticks + 0.36, df["recall_R"], linestyle="none", marker="D", markersize=6,
+                    color=OKABE_ITO["vermillion"], markeredgecolor="black", zorder=4)
             handles.append(Line2D([], [], linestyle="none", marker="D", color=OKABE_ITO["vermillion"],
                                   markeredgecolor="black", label="graded recall R"))
         ax.set_xticks(ticks, df["head_set"], rotation=30 if len(df) > 8 else 0)

@@ -114,8 +114,8 @@ def plot_layer_rho(
             colour = POSITIVE_SHADE if sign > 0 else NEGATIVE_SHADE
             ax.axvspan(first - 0.5, last + 0.5, color=colour, alpha=0.3, linewidth=0, zorder=0)
             span = f"L{first}" if first == last else f"L{first}–{last}"
-            ax.text((first + last) / 2, 0.985, f"{'+' if sign > 0 else '−'} {span}", transform=ax.get_xaxis_transform(),
-                    ha="center", va="top", fontsize=9)
+            ax.text((first + last) / 2, 0.985, f"{'+' if sign > 0 else '−'} {span}",
+                    transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=9)
         ax.axhline(0.0, color="black", linewidth=0.8, zorder=1)
         handles = []
         for i, signal in enumerate(signals):

@@ -90,7 +90,7 @@ def projection_table(ctx_lengths: Iterable[int], budgets: Iterable[int | None] =
     ])
 
 
-def plot_projection(data, *, annotate_ctx: int | None = None, gpu_label: str | None = None,
+def plot_projection(data, *, annotate_ctx: int | None = None, setting_note: str | None = None,
                     title: str | None = None):
     """Concurrent requests against context length (log-log), one line per budget.
 
@@ -99,7 +99,8 @@ def plot_projection(data, *, annotate_ctx: int | None = None, gpu_label: str | N
         budget    int    KV cache budget in tokens; empty / NaN = no eviction (drawn black, dashed)
         requests  int    requests that fit; rows with 0 are not drawn (nothing fits)
     `annotate_ctx` prints each line's value at that context length (e.g. 32768 for EpiKV's 224 vs 14);
-    `gpu_label` (e.g. "80 GB GPU, 8B Llama, bf16") goes into the y label. Returns a Figure with one Axes.
+    `setting_note` (e.g. "80 GB GPU − 16 GB weights") is printed under the legend title, so the assumptions travel
+    with the figure. Returns a Figure with one Axes.
     """
     df = checked(data, FIGURE, required=("ctx", "budget", "requests"), numeric=("ctx", "budget", "requests"),
                  finite=("ctx", "requests"))
@@ -139,10 +140,12 @@ def plot_projection(data, *, annotate_ctx: int | None = None, gpu_label: str | N
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels([f"{t:g}" for t in ticks], rotation=45 if len(ticks) > 7 else 0)
         ax.set_xlabel("Context length per request (tokens)")
-        ax.set_ylabel("Concurrent requests" + (f"\n({gpu_label})" if gpu_label else ""))
+        ax.set_ylabel("Concurrent requests per GPU")
         if title:
             ax.set_title(title)
-        ax.legend(loc="lower left", title="KV cache")
+        legend = ax.legend(loc="lower left", title="KV cache" + (f"\n{setting_note}" if setting_note else ""),
+                           frameon=True, facecolor="white", edgecolor="none", framealpha=0.9)
+        legend.get_title().set_multialignment("left")
     return fig
 
 
@@ -186,8 +189,9 @@ def _main(argv: list[str] | None = None) -> int:
                "bytes_per_elem": args.bytes_per_elem}
     table = projection_table(lengths, [None, *sorted(set(args.budgets))], **setting)
     per_token_kib = kv_bytes_per_token(args.layers, args.kv_heads, args.head_dim, args.bytes_per_elem) / 1024
-    label = f"{args.gpu_mem_gb:g} GB GPU, {per_token_kib:g} KiB of KV per token"
-    fig = plot_projection(table, annotate_ctx=args.annotate_ctx, gpu_label=label, title=args.title)
+    note = (f"{args.gpu_mem_gb:g} GB GPU − {args.weights_gb:g} GB weights − {args.overhead_gb:g} GB reserve,\n"
+            f"{per_token_kib:g} KiB of KV per token")
+    fig = plot_projection(table, annotate_ctx=args.annotate_ctx, setting_note=note, title=args.title)
     paths = save_figure(fig, args.out, args.stem)
     csv_path = Path(args.out) / f"{args.stem}.csv"
     with atomic_write(csv_path) as handle:

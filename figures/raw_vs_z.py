@@ -66,7 +66,8 @@ def plot_raw_vs_z(
                 err = np.vstack([rows["rho"] - rows["ci_low"], rows["ci_high"] - rows["rho"]])
                 err = np.where(np.isfinite(err), err, 0.0)
             ax.bar(x, rows["rho"], width=BAR_WIDTH, color=colour, edgecolor="black", linewidth=0.4,
-                   label=label if name in label else f"{label} ({name})", yerr=err, error_kw={"elinewidth": 0.8, "capsize": 1.5})
+                   label=label if name in label else f"{label} ({name})", yerr=err,
+                   error_kw={"elinewidth": 0.8, "capsize": 1.5})
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xlabel("Layer index")
         ax.set_ylabel(ylabel)

@@ -1,4 +1,4 @@
-"""Figure 3: attention-sink rate vs sigma_V / sigma_K per model, with ValueDiff's Table 4 as reference (ValueDiff Fig. 1).
+"""Figure 3: attention-sink rate vs sigma_V / sigma_K per model, ValueDiff's Table 4 as reference (ValueDiff Fig. 1).
 
     python -m figures.sink_ratio --input models.csv --out figs [--no-reference]
 """

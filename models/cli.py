@@ -24,11 +24,18 @@ def main_guard(main: Callable[[list[str] | None], int | None]) -> Callable[[list
         try:
             return main(argv) or 0
         except UsageError as err:
-            prog = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "kvscope"
-            print(f"{prog}: error: {err}", file=sys.stderr)
+            print(f"{_program_name()}: error: {err}", file=sys.stderr)
             return USAGE_EXIT_CODE
 
     return guarded
+
+
+def _program_name() -> str:
+    """`python -m evictor.run` -> "evictor.run" (argv[0] would only say run.py or __main__.py)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name.removesuffix(".__main__")
+    return Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "kvscope"
 
 
 def positive_int(text: str) -> int:

@@ -92,9 +92,10 @@ def prefill_peak_memory(
         raise UsageError("attention kernel 'flash_attention_2' needs a CUDA device")
     method = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
     generator = torch.Generator().manual_seed(seed)
-    ids = {n: torch.randint(0, model.config.vocab_size, (batch, n), generator=generator) for n in lengths}
+    vocab = model.get_input_embeddings().num_embeddings  # multimodal configs keep vocab_size in a sub-config
+    ids = {n: torch.randint(0, vocab, (batch, n), generator=generator) for n in lengths}
     rows = []
-    with _kernel(model, attention_kernel(model)):
+    with _restoring_kernel(model):
         for kernel in kernels:
             implementation, maps = KERNEL_SETUPS[kernel]
             _set_kernel(model, implementation)
@@ -208,12 +209,13 @@ def _set_kernel(model, implementation: str) -> None:
 
 
 @contextlib.contextmanager
-def _kernel(model, restore: str):
+def _restoring_kernel(model):
     """Whatever happens inside, the model leaves with the kernel it came with."""
+    original = attention_kernel(model)
     try:
         yield
     finally:
-        _set_kernel(model, restore)
+        _set_kernel(model, original)
 
 
 def _positive_ints(values: Iterable[int], what: str) -> list[int]:
@@ -248,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{' '.join(DEFAULT_KERNELS)})")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (default 1)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("--out", required=True, help="output directory for prefill_memory.csv and config.json")
     return parser

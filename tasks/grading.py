@@ -31,7 +31,7 @@ from tasks.datasets import Problem
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _PHRASE = re.compile(
-    r"(?:(?:final\s+)?answer\s+is|final\s+answer\s*[:=]|^\W*answer\W*?:)\s*:?\s*([^\n]+)",
+    r"(?:(?:final\s+)?answer\s+is|final\s+answer\s*[:=]|^\W*answer\W*?:)[\s:*]*([^\n]+)",
     re.IGNORECASE | re.MULTILINE,
 )
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")

@@ -55,12 +55,12 @@ def test_nothing_fits_is_zero_and_bad_values_are_usage_errors():
 def test_projection_table_and_plot():
     table = projection_table([1024, 2048, 4096], [None, 2048], **EPIKV_SETTING)
     assert table["requests"].tolist() == [448, 224, 112, 448, 224, 224]
-    fig = plot_projection(table, annotate_ctx=4096, gpu_label="80 GB GPU")
+    fig = plot_projection(table, annotate_ctx=4096, setting_note="80 GB GPU")
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert sorted(t.get_text() for t in ax.texts) == ["112", "224"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["no eviction", "budget 2048"]
-    assert "80 GB GPU" in ax.get_ylabel()
+    assert ax.get_legend().get_title().get_text() == "KV cache\n80 GB GPU"
 
 
 def test_budgets_sort_numerically_and_empty_series_is_a_usage_error():

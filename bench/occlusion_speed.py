@@ -1,0 +1,134 @@
+"""Occlusion labelling: the fast engine vs re-prefilling every window from scratch, on the same real traces.
+
+    python bench/occlusion_speed.py --traces runs/gsm8k-smollm2-135m/generations.jsonl --limit 3
+    python bench/occlusion_speed.py --n-traces 3          # generate the traces first (greedy, not timed)
+
+For every trace both methods label the same windows (each trace's own regenerated answer is the reference, so
+incorrect traces count too); the script prints per-trace seconds, the ratio naive / fast (median over traces and
+total), and whether labels and every window's regenerated answer are identical. Timings on a shared CPU are noisy:
+compare ratios from one run, not seconds across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.cli import main_guard, positive_int  # noqa: E402
+from models.errors import UsageError  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python bench/occlusion_speed.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", default=None, help="trace records (tasks.run generations.jsonl); default: "
+                        "generate --n-traces gsm8k traces first")
+    parser.add_argument("--model", default="smollm2-135m", help="model (default smollm2-135m)")
+    parser.add_argument("--dataset", default="gsm8k", help="answer-extraction rules / generated problems (gsm8k)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N trace records")
+    parser.add_argument("--n-traces", type=positive_int, default=3, help="traces to generate without --traces (3)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=160,
+                        help="length of generated traces (default 160)")
+    parser.add_argument("--window", type=positive_int, default=32, help="occlusion window (default 32)")
+    parser.add_argument("--stride", type=positive_int, default=16, help="window stride (default 16)")
+    parser.add_argument("--max-answer-tokens", type=positive_int, default=64,
+                        help="regeneration limit per window (default 64; the labeller's default is 512)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="fast method batch size (default 8)")
+    parser.add_argument("--replacement", default="pad", help="pad, space, dot, delete or a token id (default pad)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch CPU threads (default 1: on a shared machine more threads oversubscribe)")
+    parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
+    return parser
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    from tasks.datasets import DATASETS
+
+    if args.dataset not in DATASETS:
+        from models.errors import unknown_choice
+
+        raise unknown_choice("dataset", args.dataset, DATASETS)
+    if args.traces is not None and not Path(args.traces).is_file():
+        raise UsageError(f"--traces {args.traces!r} does not exist")
+
+    import torch
+
+    from labeling.occlusion import OcclusionLabeler, resolve_replacement
+    from models.loading import load_model
+    from models.records import read_jsonl
+    from tasks.generation import generate, stop_token_ids
+    from tasks.grading import extract_answer, is_equivalent
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model, device="cpu", dtype="float32")
+    if args.traces is not None:
+        traces = list(read_jsonl(args.traces))[: args.limit]
+    else:
+        from tasks.datasets import load_problems
+        from tasks.prompts import build_prompt_ids
+
+        traces = []
+        for problem in load_problems(args.dataset, limit=args.n_traces):
+            prompt = build_prompt_ids(lm.tokenizer, problem)
+            result = generate(lm, prompt, args.max_new_tokens)
+            traces.append({"id": problem.id, "prompt_ids": prompt, "generated_ids": result.generated_ids})
+            print(f"generated {problem.id}: {len(result.generated_ids)} tokens", file=sys.stderr)
+
+    def labeler(method: str) -> OcclusionLabeler:
+        return OcclusionLabeler(lm.model, lm.tokenizer, lambda text: extract_answer(text, args.dataset),
+                                is_equivalent, stop_token_ids(lm.tokenizer, lm.model), window=args.window,
+                                stride=args.stride, replacement=resolve_replacement(lm.tokenizer, args.replacement),
+                                max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size, method=method)
+
+    naive, fast = labeler("naive"), labeler("fast")
+    rows = []
+    print(f"{'trace':<14} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8} {'fast s':>7} {'ratio':>6}  identical")
+    for trace in traces:
+        timings, results = {}, {}
+        for name, engine in (("naive", naive), ("fast", fast)):
+            start = time.perf_counter()
+            results[name] = engine.label(trace["prompt_ids"], trace["generated_ids"])
+            timings[name] = time.perf_counter() - start
+        a, b = results["naive"], results["fast"]
+        if a["status"] != "labelled" or b["status"] != "labelled":
+            print(f"{str(trace['id']):<14} skipped: {a.get('reason')} / {b.get('reason')}")
+            continue
+        identical = (a["labels"] == b["labels"] and a["reference_answer"] == b["reference_answer"]
+                     and [w["answer_after"] for w in a["windows"]] == [w["answer_after"] for w in b["windows"]])
+        row = {"trace": str(trace["id"]), "tokens": a["n_tokens"], "windows": len(a["windows"]),
+               "flips": sum(w["flipped"] for w in a["windows"]), "naive_s": timings["naive"],
+               "fast_s": timings["fast"], "ratio": timings["naive"] / timings["fast"], "identical": identical}
+        rows.append(row)
+        print(f"{row['trace']:<14} {row['tokens']:>6} {row['windows']:>7} {row['flips']:>5} {row['naive_s']:>8.1f} "
+              f"{row['fast_s']:>7.1f} {row['ratio']:>6.2f}  {'yes' if identical else 'NO'}")
+    if not rows:
+        raise UsageError("no trace had a reasoning span of at least one window")
+    summary = {
+        "traces": len(rows),
+        "median_ratio": statistics.median(r["ratio"] for r in rows),
+        "total_ratio": sum(r["naive_s"] for r in rows) / sum(r["fast_s"] for r in rows),
+        "all_identical": all(r["identical"] for r in rows),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+    }
+    print(f"\nnaive / fast: median {summary['median_ratio']:.2f}x, total {summary['total_ratio']:.2f}x over "
+          f"{len(rows)} traces; labels identical: {'yes' if summary['all_identical'] else 'NO'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, **summary}, indent=2) + "\n")
+    return 0 if summary["all_identical"] else 1
+
+
+main = main_guard(_run)
+
+if __name__ == "__main__":
+    raise SystemExit(main())
