@@ -16,36 +16,42 @@ from matplotlib.ticker import FixedLocator, NullLocator
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, kernel_label, memory_scale, new_figure, plain_log_axis, series_style
 from figures.tables import as_bool, checked, in_order, require_unique
-from models.errors import UsageError
+from models.errors import UsageError, unknown_choice
 
 FIGURE = "prefill_memory"
-COLUMNS = ("kernel", "ctx", "peak_mem_mb")
+MEMORY_COLUMNS = {"peak_mem_mb": "Peak memory", "forward_mem_mb": "Forward's own peak memory"}
 
 
-def plot_prefill_memory(data, *, capacity_mb: float | None = None, title: str | None = None):
+def plot_prefill_memory(data, *, memory: str = "peak_mem_mb", capacity_mb: float | None = None,
+                        title: str | None = None):
     """Peak memory of one prefill forward against context length, one line per attention kernel (log-log).
 
     Input columns (one row per kernel and context length; `models.memory.prefill_peak_memory` writes them):
         kernel       str    "sdpa", "flash_attention_2", "eager", "eager+attentions" or any other name
         ctx          int    context length in tokens
-        peak_mem_mb  float  peak memory in MB (1 MB = 2**20 bytes); ignored (may be empty) where oom is true
+        peak_mem_mb  float  peak memory in MB (1 MB = 2**20 bytes), weights included; ignored (may be empty) where
+                            oom is true
+        forward_mem_mb float  optional: the forward's peak above what was allocated before it; drawn instead of
+                            peak_mem_mb with memory="forward_mem_mb" (telling on CPU, where weights dominate)
         oom          bool   optional: the forward ran out of memory; drawn as an × on the top edge marked "OOM"
     `capacity_mb` draws the device's memory as a dotted horizontal line. Returns a Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=COLUMNS, numeric=("ctx", "peak_mem_mb"), finite=("ctx",))
+    if memory not in MEMORY_COLUMNS:
+        raise unknown_choice("memory column", memory, MEMORY_COLUMNS)
+    df = checked(data, FIGURE, required=("kernel", "ctx", memory), numeric=("ctx", memory), finite=("ctx",))
     df["kernel"] = df["kernel"].astype(str)
     df["oom"] = as_bool(df["oom"], "oom", FIGURE) if "oom" in df.columns else False
     if (df["ctx"] <= 0).any():
         raise UsageError(f"{FIGURE}: context lengths must be positive, got {df.loc[df['ctx'] <= 0, 'ctx'].iloc[0]!r}")
     require_unique(df, ("kernel", "ctx"), FIGURE)
     fitted = df[~df["oom"]]
-    bad = fitted[~np.isfinite(fitted["peak_mem_mb"]) | (fitted["peak_mem_mb"] <= 0)]
+    bad = fitted[~np.isfinite(fitted[memory]) | (fitted[memory] <= 0)]
     if not bad.empty:
         raise UsageError(f"{FIGURE}: kernel {bad.iloc[0]['kernel']!r} at ctx {bad.iloc[0]['ctx']:g} has no positive "
-                         "peak_mem_mb and is not marked oom")
+                         f"{memory} and is not marked oom")
     if capacity_mb is not None and not capacity_mb > 0:
         raise UsageError(f"{FIGURE}: capacity must be positive, got {capacity_mb!r}")
-    scale, unit = memory_scale([*fitted["peak_mem_mb"], capacity_mb or 0.0])
+    scale, unit = memory_scale([*fitted[memory], capacity_mb or 0.0])
     kernels = in_order(df["kernel"])
 
     with figure_style():
@@ -53,14 +59,14 @@ def plot_prefill_memory(data, *, capacity_mb: float | None = None, title: str | 
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plain_log_axis(ax.yaxis)
-        values = fitted["peak_mem_mb"] / scale
-        top = max([*values, (capacity_mb or 0) / scale]) * 1.6
-        bottom = min(values) / 1.6 if not values.empty else top / 100
+        values = fitted[memory] / scale
+        top = max([*values, (capacity_mb or 0) / scale]) * 1.35  # the OOM marks sit on the top edge
+        bottom = min(values) / 1.25 if not values.empty else top / 100
         for i, kernel in enumerate(kernels):
             style = series_style(i)
             part = df[df["kernel"] == kernel].sort_values("ctx")
             ok = part[~part["oom"]]
-            ax.plot(ok["ctx"], ok["peak_mem_mb"] / scale, label=kernel_label(kernel), **style)
+            ax.plot(ok["ctx"], ok[memory] / scale, label=kernel_label(kernel), **style)
             failed = part[part["oom"]]
             if not failed.empty:
                 ax.plot(failed["ctx"], np.full(len(failed), top), linestyle="none", marker="X", markersize=9,
@@ -76,7 +82,7 @@ def plot_prefill_memory(data, *, capacity_mb: float | None = None, title: str | 
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels([f"{t:g}" for t in ticks], rotation=45 if len(ticks) > 7 else 0)
         ax.set_xlabel("Context length (tokens)")
-        ax.set_ylabel(f"Peak memory ({unit}, log scale)")
+        ax.set_ylabel(f"{MEMORY_COLUMNS[memory]} ({unit}, log scale)")
         if title:
             ax.set_title(title)
         handles, labels = ax.get_legend_handles_labels()
@@ -89,7 +95,7 @@ def plot_prefill_memory(data, *, capacity_mb: float | None = None, title: str | 
 
 def _draw(table: pd.DataFrame, args: argparse.Namespace):
     capacity = args.capacity_gb * 1024 if args.capacity_gb is not None else None
-    return plot_prefill_memory(table, capacity_mb=capacity, title=args.title)
+    return plot_prefill_memory(table, memory=args.memory, capacity_mb=capacity, title=args.title)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "kernel, ctx, peak_mem_mb[, oom] (models.memory writes this table)")
     parser.add_argument("--capacity-gb", type=float, default=None,
                         help="device memory in GB (1 GB = 1024 MB) drawn as a dotted line, e.g. 80")
+    parser.add_argument("--memory", default="peak_mem_mb", choices=sorted(MEMORY_COLUMNS),
+                        help="peak_mem_mb (default: weights included, what a GPU must hold) or forward_mem_mb "
+                        "(the forward's own peak above the weights)")
     return parser
 
 

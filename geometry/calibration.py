@@ -11,7 +11,7 @@ given Python install and data directory:
 - code: ``inspect.getsource`` of pure-Python standard-library modules;
 - math: MATH-500 problems and solutions, every fourth piece an AIME-2024 problem and solution;
 - retrieval: a key-value table (random hex keys with numbers, invented people with cities and years, builtins with
-  their one-line docs, or pydoc topics with their first sentence) followed by a lookup question about a key that
+  their one-line docs, or pydoc topics with their first sentence, cut at 120 characters) followed by a lookup question about a key that
   appears in the table.
 
 Prompt i has category ``CATEGORIES[i % 5]`` and variant ``i // 5``; a variant starts its category's source list at
@@ -153,12 +153,15 @@ def _retrieval_prompt(tokenizer, variant: int, ctx: int) -> tuple[list[int], lis
     header = ("header", "Below is a table of records, one per line as `key: value`. Read it; a question follows.")
     lines = ((key, f"{key}: {value}") for key, value in pairs)
     ids, keys = _pack(tokenizer, itertools.chain([header], lines), ctx, separator="\n")
+    too_short = UsageError(f"a context of {ctx} tokens is too short for a retrieval prompt (table plus question)")
+    if len(keys) < 3:  # the header and at least two rows
+        raise too_short
     # Ask about a key from the first half of the table, which the question's few tokens never truncate away.
-    key = keys[1 + rng.randrange(max(1, (len(keys) - 1) // 2))]
+    key = keys[1 + rng.randrange((len(keys) - 1) // 2)]
     question = tokenizer(f"\n\nQuestion: what is the value recorded for the key {key}?\nAnswer:",
                          add_special_tokens=False).input_ids
     if len(question) >= ctx // 2:
-        raise UsageError(f"context of {ctx} tokens is too short for a retrieval prompt")
+        raise too_short
     return ids[: ctx - len(question)] + question, [f"retrieval style {variant % 4}", f"question about {key}"]
 
 
@@ -181,7 +184,7 @@ def _retrieval_pairs(style: int, rng: random.Random) -> Iterator[tuple[str, str]
         docs = [(name, inspect.getdoc(getattr(builtins, name)) or "") for name in own if not name.startswith("_")]
         docs = [(name, doc.splitlines()[0]) for name, doc in docs if doc.strip()]
         return ((f"{name}#{turn}", doc) for turn in itertools.count(1) for name, doc in docs)
-    topics = [(name, re.split(r"(?<=\.)\s", " ".join(text.split()), maxsplit=1)[0]) for name, text in
+    topics = [(name, re.split(r"(?<=\.)\s", " ".join(text.split()), maxsplit=1)[0][:120]) for name, text in
               sorted(_pydoc_topics().items())]
     return ((f"{name}#{turn}", first) for turn in itertools.count(1) for name, first in topics)
 

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="query rows per attention block; peak memory is q_heads x chunk x ctx floats (default 256)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16 (default float32)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with "
+                             "other jobs, where extra threads mostly wait on each other")
     return parser
 
 
@@ -85,6 +88,8 @@ def _validate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     limit = getattr(lm.config, "max_position_embeddings", None)
     if limit is not None and args.ctx > limit:

@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="I/N: label only traces i with i %% N == I (run N processes, then python -m "
                         "labeling.merge OUT); needs --traces")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared CPU)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights dtype (default float32: reproducible greedy regeneration)")
     return parser
@@ -313,10 +315,14 @@ def _run(argv: list[str] | None) -> int:
             raise UsageError(f"no correctly answered trace among {len(traces)} in {args.traces}; "
                              "pass --include-incorrect to label against the model's own answers")
 
+    import torch
+
     from models.loading import load_model
     from tasks.generation import stop_token_ids
     from tasks.grading import extract_answer, is_equivalent
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     lm = load_model(model_name, device=args.device, dtype=args.dtype)
     replacement = resolve_replacement(lm.tokenizer, args.replacement)  # may raise before anything is written
 

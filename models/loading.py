@@ -123,10 +123,13 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Load `name`: a registry name, a local HF directory, a `.gguf` file, or a hub id."""
+    """Load `name`: a registry name, a local HF directory, a `.gguf` file, a hub id, or ``tiny-<family>`` (`models.tiny`)."""
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = _resolve_dtype(dtype, device)
     kernel = choose_kernel(attn_implementation, device)
+    if name.startswith("tiny-"):  # random-init test models; lazy import: models.tiny imports this module
+        from models.tiny import tiny_model
+        return tiny_model(name.removeprefix("tiny-"), attn_implementation=kernel, dtype=torch_dtype)
     start = time.perf_counter()
     if name in REGISTRY:
         entry = REGISTRY[name]

@@ -138,8 +138,13 @@ class MathVerifier:
             [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, bufsize=1,
         )
-        replies: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [replies.put(line) for line in proc.stdout], daemon=True).start()
+        replies: queue.Queue[str] = queue.Queue()  # one queue per child: a killed child's late reply cannot leak
+
+        def pump() -> None:
+            for line in proc.stdout:
+                replies.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
         self._proc, self._replies = proc, replies
         return proc
 

@@ -152,8 +152,6 @@ def format_table(records: list[dict]) -> str:
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # Everything that can be wrong with the input is checked before the output directory is created.
-    if args.data_file is not None and not Path(args.data_file).expanduser().is_file():
-        raise UsageError(f"data file {args.data_file!r} does not exist")
     problems = load_problems(args.dataset, data_file=args.data_file, limit=args.limit)
     out = Path(args.out) if args.out else _default_out(args.model, args.dataset)
     identity = {

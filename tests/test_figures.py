@@ -6,6 +6,8 @@ import hashlib
 import importlib
 import json
 
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
@@ -128,7 +130,10 @@ def _plot_axes(fig):
 
 @pytest.mark.parametrize("name, plot, table, n_axes", FIGURES, ids=IDS)
 def test_figure_structure(name, plot, table, n_axes):
+    rc_before = dict(matplotlib.rcParams)
     fig = plot(table())
+    assert dict(matplotlib.rcParams) == rc_before, f"{name}: changed global matplotlib state"
+    assert plt.get_fignums() == [], f"{name}: left a figure in pyplot's registry"
     assert len(fig.axes) == n_axes
     for ax in fig.axes:
         drawn = len(ax.lines) + len(ax.collections) + len(ax.patches) + len(ax.images)

@@ -101,6 +101,12 @@ def test_rows_feed_the_prefill_figure(tiny_gemma3):
     labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
     assert labels == ["SDPA", "eager + output_attentions=True"]
     assert tiny_gemma3.kernel == "sdpa"
+    forward = plot_prefill_memory(pd.DataFrame(rows), memory="forward_mem_mb").axes[0]
+    eager = [line for line in forward.lines if line.get_label() == "eager + output_attentions=True"][0]
+    assert eager.get_ydata().tolist() == [r["forward_mem_mb"] for r in rows if r["kernel"] == "eager+attentions"]
+    assert forward.get_ylabel().startswith("Forward's own peak memory (MB")
+    with pytest.raises(UsageError, match="unknown memory column"):
+        plot_prefill_memory(pd.DataFrame(rows), memory="rss")
 
 
 @pytest.mark.realmodel

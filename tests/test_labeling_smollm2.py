@@ -1,0 +1,73 @@
+"""Occlusion labels on the real SmolLM2: the fast engine gives exactly the naive engine's labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from labeling.occlusion import OcclusionLabeler, main
+from tasks.datasets import Problem, load_problems
+from tasks.generation import generate, stop_token_ids
+from tasks.grading import extract_answer, is_equivalent
+from tasks.prompts import build_prompt_ids
+
+pytestmark = pytest.mark.realmodel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _labeler(lm, method, **kw):
+    return OcclusionLabeler(lm.model, lm.tokenizer, lambda text: extract_answer(text, "gsm8k"), is_equivalent,
+                            stop_token_ids(lm.tokenizer, lm.model), method=method, **kw)
+
+
+def test_cli_fast_and_naive_agree_on_a_short_smollm2_trace(tmp_path, smollm2):
+    """A hand-written trace the model answers ("5"); occluding the sum's operands flips the answer."""
+    tok = smollm2.tokenizer
+    prompt = build_prompt_ids(tok, Problem("sum", "What is 2 + 3?", "5", "gsm8k"))
+    generated = tok.encode("We add the two numbers: 2 + 3 = 5. Adding 2 and 3 gives 5, so the sum is 5. "
+                           "The final answer is \\boxed{5}.", add_special_tokens=False)
+    trace = {"id": "sum", "dataset": "gsm8k", "model": "smollm2-135m", "prompt_ids": prompt,
+             "generated_ids": generated, "answer": "5", "gold": "5", "correct": True}
+    traces = tmp_path / "generations.jsonl"
+    traces.write_text(json.dumps(trace) + "\n")
+    outputs = {}
+    for method in ("fast", "naive"):
+        out = tmp_path / method
+        assert main(["--traces", str(traces), "--out", str(out), "--window", "8", "--stride", "4",
+                     "--max-answer-tokens", "12", "--method", method, "--batch-size", "4"]) == 0
+        (record,) = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
+        outputs[method] = record
+    fast, naive = outputs["fast"], outputs["naive"]
+    assert fast["status"] == "labelled" and fast["boundary"] == "boxed"
+    assert fast["reference_answer"] == "5"
+    assert fast["labels"] == naive["labels"]
+    assert [w["answer_after"] for w in fast["windows"]] == [w["answer_after"] for w in naive["windows"]]
+    assert len(fast["windows"]) >= 4
+
+
+@pytest.mark.slow
+def test_fast_equals_naive_on_generated_smollm2_traces(smollm2):
+    """Three real greedy GSM8K traces (96 tokens, tail boundary), default window 32 / stride 16, labelled against
+    the model's own answers with both engines: identical labels and per-window answers."""
+    compared = 0
+    for problem in load_problems("gsm8k", limit=3):
+        prompt = build_prompt_ids(smollm2.tokenizer, problem)
+        generated = generate(smollm2, prompt, 96).generated_ids
+        fast = _labeler(smollm2, "fast", max_answer_tokens=48).label(prompt, generated)
+        naive = _labeler(smollm2, "naive", max_answer_tokens=48).label(prompt, generated)
+        assert fast["status"] == naive["status"]
+        if fast["status"] != "labelled":
+            continue
+        compared += 1
+        assert fast["labels"] == naive["labels"]
+        assert [w["answer_after"] for w in fast["windows"]] == [w["answer_after"] for w in naive["windows"]]
+    assert compared >= 2
