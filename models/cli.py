@@ -65,6 +65,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
+        # mkstemp creates owner-only files; results are meant to be shared like any other file the user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
