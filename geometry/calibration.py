@@ -11,8 +11,8 @@ given Python install and data directory:
 - code: ``inspect.getsource`` of pure-Python standard-library modules;
 - math: MATH-500 problems and solutions, every fourth piece an AIME-2024 problem and solution;
 - retrieval: a key-value table (random hex keys with numbers, invented people with cities and years, builtins with
-  their one-line docs, or pydoc topics with their first sentence, cut at 120 characters) followed by a lookup question about a key that
-  appears in the table.
+  their one-line docs, or pydoc topics with their first sentence cut at 120 characters) followed by a lookup
+  question about a key that appears in the table.
 
 Prompt i has category ``CATEGORIES[i % 5]`` and variant ``i // 5``; a variant starts its category's source list at
 a different place, so any number of prompts can be drawn. Pieces are joined with blank lines (table rows with

@@ -33,7 +33,8 @@ from models.registry import DEFAULT_MODEL
 
 TABLES = ("heads_kv", "heads_q", "layers", "model")
 # Settings a resumed run must share with the records already on disk (tau only enters the aggregation).
-MEASUREMENT_KEYS = ("model", "weights", "dtype", "ctx", "topk", "queries", "key_space")
+RUN_KEYS = ("ctx", "topk", "queries", "key_space")
+MEASUREMENT_KEYS = ("model", "weights", "dtype", *RUN_KEYS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +89,9 @@ def _validate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _validate(args)
+    out = Path(args.out) if args.out else Path("runs") / "geometry" / Path(args.model).name.replace(".gguf", "")
+    # Settings known before loading are checked first, so a refused resume does not wait for the model.
+    _check_resumable(out / "config.json", {"model": args.model, **{k: getattr(args, k) for k in RUN_KEYS}})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -95,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     if limit is not None and args.ctx > limit:
         raise UsageError(f"--ctx {args.ctx} exceeds the model's max_position_embeddings {limit}")
     prompts = calibration_prompts(lm.tokenizer, args.prompts, args.ctx)
-    out = Path(args.out) if args.out else Path("runs") / "geometry" / Path(args.model).name.replace(".gguf", "")
     config = _resolved_config(args, lm, prompts)
     store_path = out / "records.jsonl"
     _check_resumable(out / "config.json", config)
@@ -161,7 +164,7 @@ def _check_resumable(config_path: Path, config: dict[str, Any]) -> None:
         previous = json.loads(config_path.read_text())
     except json.JSONDecodeError:
         raise UsageError(f"{config_path} is not valid JSON; use another --out") from None
-    changed = [key for key in MEASUREMENT_KEYS if previous.get(key) != config[key]]
+    changed = [key for key in MEASUREMENT_KEYS if key in config and previous.get(key) != config[key]]
     if changed:
         detail = ", ".join(f"{key}: {previous.get(key)!r} -> {config[key]!r}" for key in changed)
         raise UsageError(f"{config_path.parent} holds a survey with different settings ({detail}); use another --out")

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 # Shared by every notebook: threads, output folder, in-process CLI runner, figure saver.
 SETUP = '''\
+import importlib
 import json
 import os
 from pathlib import Path
@@ -41,13 +42,15 @@ fig_dir = out / "figures"
 fig_dir.mkdir(parents=True, exist_ok=True)
 
 
-def run(main, argv):
-    """Run a kvscope CLI in this process (no re-import per call); a usage error stops the notebook."""
+def run(module, argv):
+    """`python -m module argv...`, run in this process (no re-import per call); a usage error stops the notebook."""
+    cli = importlib.import_module(module)
+    main = cli.main if hasattr(cli, "main") else importlib.import_module(f"{module}.__main__").main
     argv = [str(a) for a in argv]
-    print("$ python -m", main.__module__, " ".join(argv))
+    print("$ python -m", module, " ".join(argv))
     status = main(argv)
     if status:
-        raise RuntimeError(f"{main.__module__} exited with status {status} (its error is printed above)")
+        raise RuntimeError(f"python -m {module} exited with status {status} (its error is printed above)")
 
 
 def show(fig, stem):
@@ -98,8 +101,6 @@ out_dir = "runs/notebooks/layer_anatomy"'''),
         ("code", SETUP),
         ("md", "## 1. Dense traces and occlusion labels"),
         ("code", '''\
-from labeling.occlusion import main as occlusion_main
-
 if labels_file is None:
     labels_dir = out / "labels"
     argv = ["--model", model, "--dataset", dataset, "--limit", limit, "--max-new-tokens", max_new_tokens,
@@ -107,7 +108,7 @@ if labels_file is None:
     argv += ["--traces", traces_file] if traces_file else []
     argv += ["--data-file", data_file] if data_file else []
     argv += ["--include-incorrect"] if include_incorrect else []
-    run(occlusion_main, argv)
+    run("labeling.occlusion", argv)
     labels_path = labels_dir / "labels.jsonl"
     traces_path = Path(traces_file) if traces_file else labels_dir / "traces" / "generations.jsonl"
 else:
@@ -122,22 +123,18 @@ pd.DataFrame([{"trace": r["trace_id"], "status": r.get("status"), "correct": r.g
                "skipped_because": r.get("reason")} for r in label_records])'''),
         ("md", "## 2. Per-layer signals: rolling mean (Eq. 1) and rolling z-score (Eq. 2) of g_l(t)"),
         ("code", '''\
-from probes.signals.__main__ import main as signals_main
-
 signal_files = []
 for smoothing in ("mean", "z"):
     path = out / "signals" / f"{smoothing}.jsonl"
-    run(signals_main, ["--traces", traces_path, "--out", path, "--model", model, "--signals", signals,
+    run("probes.signals", ["--traces", traces_path, "--out", path, "--model", model, "--signals", signals,
                        "--smoothing", smoothing, "--window", smoothing_window])
     signal_files.append(path)'''),
         ("md", "## 3. Validation: per-layer ρ with intervals, bands, positional confound"),
         ("code", '''\
-from validation.layers import main as layers_main
-
 val_dir = out / "validation"
 argv = ["--labels", labels_path, "--signals", *signal_files, "--out", val_dir, "--window", smoothing_window]
 argv += ["--include-incorrect"] if include_incorrect else []
-run(layers_main, argv)
+run("validation.layers", argv)
 
 setup = json.loads((val_dir / "config.json").read_text())
 summary = json.loads((val_dir / "summary.json").read_text())
@@ -219,13 +216,11 @@ out_dir = "runs/notebooks/geometry_survey"'''),
         ("code", SETUP),
         ("md", "## 1. Geometry survey per model"),
         ("code", '''\
-from geometry.survey import main as survey_main
-
 models = [model, *extra_models]
 model_rows, layer_tables = [], {}
 for name in models:
     survey_dir = out / "survey" / Path(name).name
-    run(survey_main, ["--model", name, "--prompts", prompts, "--ctx", ctx, "--topk", topk, "--queries", queries,
+    run("geometry.survey", ["--model", name, "--prompts", prompts, "--ctx", ctx, "--topk", topk, "--queries", queries,
                       "--tau", tau, "--out", survey_dir])
     rows = pd.read_csv(survey_dir / "model.csv")
     model_rows.append(rows[rows["scope"] == "all"])
@@ -234,8 +229,6 @@ geometry = pd.concat(model_rows, ignore_index=True)
 geometry'''),
         ("md", "## 2. Method gap: ValueDiff − KeyDiff accuracy from a small eviction run"),
         ("code", '''\
-from evictor.run import main as evictor_main
-
 gaps = []
 for name in models:
     gap_dir = out / "gap" / Path(name).name
@@ -243,7 +236,7 @@ for name in models:
             "--budget", gap_budget, "--budget-scope", "trace", "--buffer", buffer, "--protect", protect,
             "--max-new-tokens", max_new_tokens, "--batch-size", limit, "--out", gap_dir, "--quiet"]
     argv += ["--data-file", data_file] if data_file else []
-    run(evictor_main, argv)
+    run("evictor.run", argv)
     cells = pd.DataFrame(json.loads((gap_dir / "summary.json").read_text())).set_index("policy")
     gaps.append({"model": name, "valuediff_acc": cells.loc["valuediff", "accuracy"],
                  "keydiff_acc": cells.loc["keydiff", "accuracy"], "problems": int(cells.loc["valuediff", "problems"]),
@@ -304,14 +297,12 @@ out_dir = "runs/notebooks/eviction_budgets"'''),
         ("code", SETUP),
         ("md", "## 1. The sweep: `full` once, every policy at every budget"),
         ("code", '''\
-from evictor.run import main as evictor_main
-
 sweep_dir = out / "sweep"
 argv = ["--model", model, "--dataset", dataset, "--limit", limit, "--policy", ",".join(["full", *policies]),
         "--budget", ",".join(map(str, budgets)), "--budget-scope", "trace", "--buffer", buffer, "--protect", protect,
         "--max-new-tokens", max_new_tokens, "--batch-size", batch_size, "--out", sweep_dir, "--quiet"]
 argv += ["--data-file", data_file] if data_file else []
-run(evictor_main, argv)
+run("evictor.run", argv)
 pd.read_csv(sweep_dir / "summary.csv")[["cell", "problems", "accuracy", "no_answer", "truncated", "mean_generated",
                                         "mean_rounds", "max_peak_slots"]]'''),
         ("md", "## 2. Accuracy vs budget with 95% Wilson intervals"),
@@ -398,15 +389,13 @@ out_dir = "runs/notebooks/speed_memory"'''),
         ("code", SETUP),
         ("md", "## 1. Time and peak memory vs budget"),
         ("code", '''\
-from evictor.run import main as evictor_main
-
 if sweep_dir is None:
     sweep_dir = out / "sweep"
     argv = ["--model", model, "--dataset", dataset, "--limit", limit, "--policy", ",".join(["full", *policies]),
             "--budget", ",".join(map(str, budgets)), "--budget-scope", "trace", "--buffer", buffer, "--protect", protect,
             "--max-new-tokens", max_new_tokens, "--batch-size", 1, "--out", sweep_dir, "--quiet"]
     argv += ["--data-file", data_file] if data_file else []
-    run(evictor_main, argv)
+    run("evictor.run", argv)
 memory_field = {"cache": "peak_cache_bytes", "process": "peak_memory_bytes"}[memory]
 cost = pd.DataFrame([{"policy": r["policy"], "budget": r["budget"], "problem": r["id"],
                       "generated": len(r["generated_ids"]), "wall_s": r["timings"]["wall_s"],

@@ -138,11 +138,11 @@ def _short(text: str | None, width: int) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    header = f"{'#':>3}  {'id':<28} {'gold':<18} {'answer':<18} {'ok':<3} {'tokens':>6} {'finish':<6} {'tok/s':>6}"
+    header = f"{'#':>3}  {'id':<36} {'gold':<18} {'answer':<18} {'ok':<3} {'tokens':>6} {'finish':<6} {'tok/s':>6}"
     lines = [header, "-" * len(header)]
     for i, r in enumerate(records, start=1):
         lines.append(
-            f"{i:>3}  {_short(r['id'], 28):<28} {_short(r['gold'], 18):<18} {_short(r['answer'], 18):<18} "
+            f"{i:>3}  {_short(r['id'], 36):<36} {_short(r['gold'], 18):<18} {_short(r['answer'], 18):<18} "
             f"{'yes' if r['correct'] else 'no':<3} {len(r['generated_ids']):>6} {r['finish_reason']:<6} "
             f"{r['timings']['tokens_per_s']:>6.1f}"
         )

@@ -300,6 +300,9 @@ def _recording(policy: Policy, calls: list) -> Policy:
 
 
 K, R = 40, 4
+# On a random-init model attention is near uniform, so RaaS never refreshes a key and degenerates to recency, which
+# keeps the same positions in every head although the policy is per-head.
+PER_HEAD_MAY_COINCIDE = {"raas"}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -344,7 +347,7 @@ def test_engine_invariants_for_every_policy(name, tiny_llama):
             assert session.feed is None and all(no_attention for _, _, no_attention in calls)
         else:
             assert session.feed.requests > 0
-    if not policy.scores_nothing and not engine.shared:
+    if not policy.scores_nothing and not engine.shared and name not in PER_HEAD_MAY_COINCIDE:
         assert differs, f"{name} is per-head but every head kept the same positions"
 
 

@@ -72,7 +72,7 @@ def test_rerun_resumes_reaggregates_and_refuses_changed_settings(tiny_dir, tmp_p
     alphas = np.array([r["alpha_bos"] for r in first])
     assert json.loads((out / "model.json").read_text())[0]["sink_rate"] == pytest.approx((alphas > 0.01).mean())
     assert main([*args, "--prompts", "4"]) == 0
-    assert [r["prompt"] for r in _records(out)] == [r["prompt"] for r in first] + ["narrative-1"]
+    assert [r["prompt"] for r in _records(out)] == [r["prompt"] for r in first] + ["math-0"]
     capsys.readouterr()
     assert main([*args, "--topk", "5"]) == 2
     err = capsys.readouterr().err

@@ -30,11 +30,11 @@ def _labeler(lm, method, **kw):
 
 
 def test_cli_fast_and_naive_agree_on_a_short_smollm2_trace(tmp_path, smollm2):
-    """A hand-written trace the model answers ("5"); occluding the sum's operands flips the answer."""
+    """A hand-written trace; from the context before its box the model writes " 5, which is the answer..."."""
     tok = smollm2.tokenizer
     prompt = build_prompt_ids(tok, Problem("sum", "What is 2 + 3?", "5", "gsm8k"))
-    generated = tok.encode("We add the two numbers: 2 + 3 = 5. Adding 2 and 3 gives 5, so the sum is 5. "
-                           "The final answer is \\boxed{5}.", add_special_tokens=False)
+    generated = tok.encode("We add the two numbers: 2 + 3 = 5. Adding 2 and 3 gives 5, so the sum is 5.\n\n"
+                           "The sum of 2 and 3 is \\boxed{5}", add_special_tokens=False)
     trace = {"id": "sum", "dataset": "gsm8k", "model": "smollm2-135m", "prompt_ids": prompt,
              "generated_ids": generated, "answer": "5", "gold": "5", "correct": True}
     traces = tmp_path / "generations.jsonl"
