@@ -287,7 +287,11 @@ def _run(argv: list[str] | None) -> int:
     sweep = len(policies) * len(budgets) > 1
     for name in policies:
         params = dict(file_config.get("params", {})) if file_config and file_config["policy"] == name else {}
-        engine = EvictionEngine(lm, get_policy(name, **params), protocol)
+        try:
+            policy = get_policy(name, **params)
+        except TypeError as err:  # an unknown parameter name in --policy-config
+            raise UsageError(f"--policy-config: {name}: {err}") from None
+        engine = EvictionEngine(lm, policy, protocol)
         engines[name] = engine
         cell_budgets = [None] if engine.policy.scores_nothing else budgets
         for budget in cell_budgets:

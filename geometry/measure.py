@@ -81,9 +81,9 @@ def weight_norms(model: nn.Module) -> dict[str, list]:
     for layer in decoder_layers(model):
         for name, proj in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj)):
             weight = proj.weight.detach().double()  # [kv_head * d_head, d_model]
-            norms[f"w_{name}"].append(torch.linalg.matrix_norm(weight, ord=2).item())
+            norms[f"w_{name}"].append(top_singular_value(weight).item())
             blocks = weight.view(n_kv, -1, weight.shape[-1])  # [kv_head, d_head, d_model]
-            norms[f"w_{name}_head"].append(torch.linalg.matrix_norm(blocks, ord=2).tolist())
+            norms[f"w_{name}_head"].append(top_singular_value(blocks).tolist())
     return norms
 
 

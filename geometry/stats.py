@@ -35,10 +35,11 @@ def bos_cosine(keys: torch.Tensor) -> torch.Tensor:
 def top_singular_value(x: torch.Tensor) -> torch.Tensor:
     """Largest singular value of the (uncentred) stacked vectors ``[..., n, d]`` -> ``[...]``.
 
-    Computed as the square root of the top eigenvalue of the d x d Gram matrix, far cheaper than an SVD of n x d.
+    Computed as the square root of the top eigenvalue of the smaller Gram matrix (d x d or n x n), far cheaper than
+    an SVD of the n x d matrix.
     """
     x = x.double()
-    gram = x.transpose(-1, -2) @ x
+    gram = x.transpose(-1, -2) @ x if x.shape[-2] >= x.shape[-1] else x @ x.transpose(-1, -2)
     return torch.linalg.eigvalsh(gram)[..., -1].clamp(min=0).sqrt().to(torch.float32)
 
 

@@ -87,8 +87,12 @@ class OcclusionLabeler:
         occlusion_windows(0, 0, self.window, self.stride)  # validates window / stride
 
     def _regenerate(self, context: list[int], reasoning_start: int, rows: list[tuple[int, list[int]]],
-                    progress) -> tuple[list[int], list[list[int]]]:
-        """The continuation of the unoccluded `context` and of each occluded ``context[:start] + tail`` row."""
+                    trace_answer: list[int], progress) -> tuple[list[int], list[list[int]]]:
+        """The continuation of the unoccluded `context` and of each occluded ``context[:start] + tail`` row.
+
+        The fast method drafts the unoccluded continuation from the trace's own answer span (a greedy trace of this
+        model reproduces it) and every window's from that continuation.
+        """
         if self.method == "naive":
             continuations = regenerate_naive(self.model, [context] + [context[:s] + t for s, t in rows],
                                              self.max_answer_tokens, self.stop_ids, progress)
@@ -96,10 +100,10 @@ class OcclusionLabeler:
         prefix = PrefixCache(self.model, context)
         # Start one token early: deleting a window flush with the span's end makes rows start there minus one.
         first = max(0, reasoning_start - 1)
-        (reference,) = regenerate_shared_prefix(prefix, [(first, context[first:])],
-                                                self.max_answer_tokens, self.stop_ids, progress=progress)
+        (reference,) = regenerate_shared_prefix(prefix, [(first, context[first:])], self.max_answer_tokens,
+                                                self.stop_ids, reference=trace_answer, progress=progress)
         return reference, regenerate_shared_prefix(prefix, rows, self.max_answer_tokens, self.stop_ids,
-                                                   self.batch_size, draft=reference, progress=progress)
+                                                   self.batch_size, reference=reference, progress=progress)
 
     def plan(self, prompt_ids: list[int], generated_ids: list[int]) -> tuple[Boundary, list[tuple[int, int]]]:
         """The answer boundary of a trace and the windows occlusion will test (none if the span is too short)."""
@@ -120,7 +124,8 @@ class OcclusionLabeler:
         context = ids[:answer_start]
         rows = [(start, occlude(context, start, end, self.replacement)[start:]) for start, end in windows]
         started = time.perf_counter()
-        reference_tokens, continuations = self._regenerate(context, reasoning_start, rows, progress)
+        reference_tokens, continuations = self._regenerate(context, reasoning_start, rows, ids[answer_start:],
+                                                           progress)
         texts = [self.tokenizer.decode(tokens, skip_special_tokens=True)
                  for tokens in [reference_tokens, *continuations]]
         answers = [self.answer_of(text) for text in texts]

@@ -14,12 +14,14 @@ at a stop token (kept in the output) or after `max_new_tokens`.
   2. Batching. A batch's rows start at the same position and, as all windows have one size, have the same length,
      so they share one forward with no padding or mask and decode at the same positions; a finished row leaves the
      batch.
-  3. Draft verification. Most windows do not change the continuation, so the reference continuation (from the
-     unoccluded context) is fed after every row as a draft, in chunks, and checked against the row's own greedy
-     argmax at each position, as in speculative decoding. A row that agrees all the way has exactly the draft as
-     its greedy continuation, without a decode step. Rows that diverge keep the agreed prefix (the cache is cropped
-     back to the earliest divergence in the batch; sliding layers record their past meanwhile so the crop is
-     exact) and continue token by token.
+  3. Drafts verified, not decoded. Most windows do not change the continuation, so each row is fed likely next
+     tokens and checked against its own greedy argmax at each position, as in speculative decoding: an agreeing
+     draft costs one forward instead of one decode step per token. The unoccluded continuation drafts every window;
+     the trace's own answer span drafts the unoccluded continuation. Full-attention models use
+     `labeling.speculative.speculative_greedy` (per-row acceptance in a ragged batch, plus prompt-lookup drafts
+     after a row diverges); models with sliding-window layers use `greedy_extend_with_draft` (chunked verification
+     of the reference, then plain decoding from the batch's earliest divergence; sliding layers record their past
+     until the cache is cropped back to it).
 
 The engines differ only in floating-point summation order (chunked prefix, batched and multi-token forwards), so in
 fp32 their greedy continuations agree except at exact near-ties of the top two logits; labels compare answers.
@@ -32,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
+
+from labeling.speculative import has_sliding_layers, speculative_greedy
 
 Progress = Callable[[int], None] | None
 
@@ -84,39 +88,43 @@ def greedy_extend(model, cache: DynamicCache, input_ids: torch.Tensor, max_new_t
 @torch.no_grad()
 def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor, draft: Sequence[int],
                              max_new_tokens: int, stop_ids: Sequence[int], chunk: int = 32) -> list[list[int]]:
-    """`greedy_extend`, verifying `draft` (a greedy continuation of a similar context) instead of decoding it.
+    """`greedy_extend`, verifying `draft` (the likely continuation) in chunks instead of decoding it token by token.
 
-    `draft` must itself be a finished greedy continuation: it ends at a stop token or has `max_new_tokens` tokens.
+    Works with every cache layer type (sliding layers record their past until the crop); one divergence point per
+    batch, so rows that diverge early make the others decode from there too (`speculative_greedy` does not).
     """
     batch, device = input_ids.shape[0], input_ids.device
     stops = _stop_tensor(stop_ids, device)
-    draft = list(draft)
+    draft = list(draft)[:max_new_tokens]
+    # A finished draft (stop token or full length) needs no prediction after its last token; an open one does.
+    finished = bool(draft) and (draft[-1] in stop_ids or len(draft) == max_new_tokens)
+    to_feed = len(draft) - 1 if finished else len(draft)
     cache.activate_past_recording()  # sliding layers keep their past until the crop below
     draft_ids = torch.tensor(draft, device=device, dtype=torch.long)
-    predicted = []  # [batch, k] chunks: predicted[..., j] is the row's greedy token j
-    fed = 0  # draft tokens fed so far
+    chunks = []  # [batch, k] greedy predictions: column j is the row's greedy token j
+    fed = 0
     agreeing = torch.ones(batch, dtype=torch.bool, device=device)
     feed = input_ids
     while True:
-        take = min(chunk, len(draft) - 1 - fed)
+        take = min(chunk, to_feed - fed)
         feed = torch.cat([feed, draft_ids[fed:fed + take].expand(batch, -1)], dim=1)
         keep = take + 1 if fed == 0 else take
-        logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=keep).logits
-        step = logits.argmax(-1)  # [batch, keep]
-        predicted.append(step)
-        start = sum(p.shape[1] for p in predicted) - step.shape[1]
-        agreeing &= (step == draft_ids[start:start + step.shape[1]]).all(1)
+        step = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=keep).logits.argmax(-1)
+        done = sum(c.shape[1] for c in chunks)
+        chunks.append(step)
+        agreeing &= (step[:, : max(0, len(draft) - done)] == draft_ids[done:done + step.shape[1]]).all(1)
         fed += take
-        if fed == len(draft) - 1 or not bool(agreeing.any()):
+        if fed == to_feed or not bool(agreeing.any()):
             break
         feed = input_ids.new_empty(batch, 0)
-    predicted = torch.cat(predicted, dim=1)  # [batch, fed + 1]
-    agree = predicted == draft_ids[: predicted.shape[1]]
-    accepted = torch.where(agree.all(1), predicted.shape[1], (~agree).int().argmax(1)).tolist()
+    predicted = torch.cat(chunks, dim=1)  # [batch, fed + 1]
+    checked = min(predicted.shape[1], len(draft))
+    agree = predicted[:, :checked] == draft_ids[:checked]
+    accepted = torch.where(agree.all(1), checked, (~agree).int().argmax(1)).tolist()
     outputs: list[list[int]] = [[] for _ in range(batch)]
     unfinished = []
     for row, a in enumerate(accepted):
-        if a == len(draft):
+        if a == len(draft) and finished:
             outputs[row] = draft[:]
             continue
         token = int(predicted[row, a])
@@ -172,12 +180,14 @@ class PrefixCache:
 
 
 def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
-                             stop_ids: Sequence[int], batch_size: int = 8, draft: Sequence[int] | None = None,
-                             draft_chunk: int = 32, progress: Progress = None) -> list[list[int]]:
+                             stop_ids: Sequence[int], batch_size: int = 8, reference: Sequence[int] | None = None,
+                             progress: Progress = None) -> list[list[int]]:
     """The greedy continuation of each context ``prefix.ids[:start] + tail`` for ``(start, tail)`` in `rows`.
 
     `rows` must be sorted by start (not before an earlier call's last batch start) and all contexts must have the
-    same length. With `draft`, see `greedy_extend_with_draft`. Returns continuations in the order of `rows`.
+    same length. `reference` is the continuation most rows are expected to produce (used as a draft, never
+    trusted). Full-attention models decode with `speculative_greedy`; models with sliding-window layers verify
+    `reference` with `greedy_extend_with_draft`. Returns continuations in the order of `rows`.
     """
     if not rows:
         return []
@@ -187,7 +197,7 @@ def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequ
     if len(lengths) > 1:
         raise ValueError(f"all contexts must have one length, got {sorted(lengths)}")
     (length,) = lengths
-    device = _device(prefix.model)
+    model, device = prefix.model, _device(prefix.model)
     results: list[list[int]] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first:first + batch_size]
@@ -195,11 +205,13 @@ def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequ
         cache = prefix.copy_at(s0, len(batch))
         inputs = torch.tensor([prefix.ids[s0:start] + list(tail) for start, tail in batch],
                               dtype=torch.long, device=device)  # [batch, length - s0]
-        if draft is None:
-            results.extend(greedy_extend(prefix.model, cache, inputs, max_new_tokens, stop_ids))
+        if not has_sliding_layers(cache):
+            contexts = [prefix.ids[:start] + list(tail) for start, tail in batch]
+            results.extend(speculative_greedy(model, cache, inputs, contexts, max_new_tokens, stop_ids, reference))
+        elif reference is not None:
+            results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
         else:
-            results.extend(greedy_extend_with_draft(prefix.model, cache, inputs, draft, max_new_tokens, stop_ids,
-                                                    draft_chunk))
+            results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
         if progress:
             progress(len(batch))
     return results

@@ -30,6 +30,14 @@ def main_guard(main: Callable[[list[str] | None], int | None]) -> Callable[[list
     return guarded
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are `UsageError`s, so `main_guard` prints one line and exits with status 2
+    (plain argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
 def _program_name() -> str:
     """`python -m evictor.run` -> "evictor.run" (argv[0] would only say run.py or __main__.py)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -50,7 +58,11 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    """argparse type for counts that may be 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value

@@ -313,6 +313,10 @@ runs = {policy: read_run(sweep_dir, policy) for policy in ["full", *policies]}
 accuracy = pd.DataFrame([row for policy, run_ in runs.items()
                          for row in accuracy_table(run_, policy, "wilson", 0.95, n_boot, 0)])
 accuracy = accuracy.rename(columns={"ci_lo": "ci_low", "ci_hi": "ci_high"})
+# validation.stats.wilson_interval can miss the estimate by float rounding (lower bound 2.8e-17 at 0/6), which the
+# figure's error bars reject; keep every interval around its estimate.
+accuracy["ci_low"] = accuracy[["ci_low", "accuracy"]].min(axis=1)
+accuracy["ci_high"] = accuracy[["ci_high", "accuracy"]].max(axis=1)
 accuracy.to_csv(out / "accuracy.csv", index=False)
 accuracy[["policy", "budget", "n_problems", "accuracy", "ci_low", "ci_high"]]'''),
         ("code", '''\

@@ -20,20 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from models.cli import atomic_write, main_guard, positive_int, save_config
+from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
 from models.errors import UsageError
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
 
 # Settings that change what a record contains: a resumed run must match them exactly.
 RUN_IDENTITY = ("model", "dataset", "data_source", "max_new_tokens", "temperature", "seed", "dtype")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are `UsageError`s, so `main_guard` prints them as one line with exit status 2."""
-
-    def error(self, message: str):
-        raise UsageError(message)
 
 
 def non_negative_float(text: str) -> float:
@@ -47,7 +40,7 @@ def non_negative_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="python -m tasks.run",
         description="Generate answers to benchmark problems with a causal LM, grade them, and write per-problem "
         "records (resumable) plus an accuracy summary.",

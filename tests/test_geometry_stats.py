@@ -53,8 +53,11 @@ def test_top_singular_value():
     assert top_singular_value(torch.tensor([[3.0, 0.0], [0.0, 4.0]])).item() == pytest.approx(4.0)
     # rank one: u v^T with |u| = sqrt(5), |v| = sqrt(2)
     assert top_singular_value(torch.tensor([[1.0, 1.0], [2.0, 2.0]])).item() == pytest.approx(math.sqrt(10))
-    x = torch.randn(2, 40, 6)
-    assert torch.allclose(top_singular_value(x), torch.linalg.matrix_norm(x, ord=2), atol=1e-4)
+    # fewer vectors than dimensions (the weight-matrix case) uses the other Gram matrix
+    assert top_singular_value(torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])).item() == pytest.approx(4.0)
+    for shape in [(2, 40, 6), (3, 5, 30)]:
+        x = torch.randn(shape)
+        assert torch.allclose(top_singular_value(x), torch.linalg.matrix_norm(x, ord=2), atol=1e-4)
 
 
 def test_leading_token_attention_excludes_t0_and_unreachable_queries():

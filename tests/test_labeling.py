@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from labeling.occlusion import OcclusionLabeler, resolve_replacement
-from labeling.regenerate import PrefixCache, regenerate_naive, regenerate_shared_prefix
+from labeling.regenerate import PrefixCache, greedy_extend_with_draft, regenerate_naive, regenerate_shared_prefix
+from labeling.speculative import NgramLookup, speculative_greedy
 from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
 from models.errors import UsageError
 from models.tiny import tiny_model, tiny_tokenizer
@@ -87,23 +88,57 @@ def test_greedy_decode_matches_hf_generate(tiny_llama):
     assert ours[0] == generate(tiny_llama, prompt, 12).generated_ids
 
 
-@pytest.mark.parametrize("replacement", ["pad", "delete"])
-def test_fast_engine_reproduces_naive_continuations(chaotic_tiny, replacement):
-    tok, model = chaotic_tiny.tokenizer, chaotic_tiny.model
+def _contexts_and_naive(lm, replacement, max_new=10):
+    tok, model = lm.tokenizer, lm.model
     ids = tok.encode(PROMPT + REASONING)  # 99 tokens: longer than the gemma3 tiny's 16-token sliding window
     filler = None if replacement == "delete" else tok.pad_token_id
     windows = occlusion_windows(16, len(ids), 8, 4)
-    stops = [tok.eos_token_id]
-    naive = regenerate_naive(model, [ids] + [occlude(ids, s, e, filler) for s, e in windows], 10, stops)
-    prefix = PrefixCache(model, ids)
-    (reference,) = regenerate_shared_prefix(prefix, [(15, ids[15:])], 10, stops)
     rows = [(s, occlude(ids, s, e, filler)[s:]) for s, e in windows]
-    fast = regenerate_shared_prefix(prefix, rows, 10, stops, batch_size=3, draft=reference, draft_chunk=3)
+    naive = regenerate_naive(model, [ids] + [ids[:s] + t for s, t in rows], max_new, [tok.eos_token_id])
+    return ids, rows, naive
+
+
+@pytest.mark.parametrize("replacement", ["pad", "delete"])
+def test_fast_engine_reproduces_naive_continuations(chaotic_tiny, replacement):
+    """Llama / Qwen3 take the speculative engine, Gemma3 (sliding layers) the chunked draft verification."""
+    ids, rows, naive = _contexts_and_naive(chaotic_tiny, replacement)
+    stops = [chaotic_tiny.tokenizer.eos_token_id]
+    prefix = PrefixCache(chaotic_tiny.model, ids)
+    # The reference row's draft is an unfinished prefix of its continuation (a trace cut short), then open decoding.
+    (reference,) = regenerate_shared_prefix(prefix, [(15, ids[15:])], 10, stops, reference=naive[0][:4])
+    fast = regenerate_shared_prefix(prefix, rows, 10, stops, batch_size=3, reference=reference)
     assert reference == naive[0]
     assert fast == naive[1:]
     if replacement == "pad":  # the case really mixes agreeing and diverging windows
         agreed = [next((j for j, (a, b) in enumerate(zip(o, reference)) if a != b), len(o)) for o in naive[1:]]
         assert len(set(agreed)) > 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_both_draft_engines_with_short_drafts(family):
+    """Tiny drafts force many verification rounds, rejected slots and ragged rows in the speculative engine."""
+    lm = tiny_model(family, seed=0, initializer_range=0.1)
+    ids, rows, naive = _contexts_and_naive(lm, "pad", max_new=14)
+    stops = [lm.tokenizer.eos_token_id]
+    start = rows[0][0]
+    inputs = torch.tensor([ids[start:s] + list(t) for s, t in rows])
+    contexts = [ids[:s] + list(t) for s, t in rows]
+    prefix = PrefixCache(lm.model, ids)
+    spec = speculative_greedy(lm.model, prefix.copy_at(start, len(rows)), inputs, contexts, 14, stops,
+                              reference=naive[0], draft_len=2, reference_draft_len=3)
+    assert spec == naive[1:]
+    chunked = greedy_extend_with_draft(lm.model, prefix.copy_at(start, len(rows)), inputs, naive[0], 14, stops,
+                                       chunk=3)
+    assert chunked == naive[1:]
+
+
+def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
+    lookup = NgramLookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2])
+    assert lookup.draft(3) == [3, 7, 5]  # (1, 2) last occurred before 3, 7, 5 (order 3 has no earlier match)
+    lookup.extend([3])
+    assert lookup.draft(2) == [7, 5]  # (1, 2, 3) latest earlier occurrence: followed by 7
+    assert NgramLookup([4, 5, 6]).draft(2) == []
+    assert NgramLookup([8, 8, 8]).draft(5) == [8]  # the match may run into the current suffix
 
 
 def test_prefix_cache_only_moves_forward(tiny_llama):

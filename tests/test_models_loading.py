@@ -16,7 +16,7 @@ from models.registry import REGISTRY, cache_root
 PROMPT = "The key-value cache stores"
 
 
-def _greedy(model, tokenizer, new_tokens=12):
+def _greedy(model, tokenizer, new_tokens=8):
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits

@@ -22,6 +22,15 @@ from probes.signals.extract import (
 from probes.signals.hidden import hidden_diffs, resid_post_name
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many small forwards: one thread avoids oversubscribing a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Llama saved as a local HF directory, so CLIs can load it by path."""
@@ -115,7 +124,7 @@ def test_kv_signals_are_causal_when_tokens_are_appended(tiny_llama):
 
 @pytest.mark.realmodel
 def test_smollm2_streaming_hidden_diff_equals_teacher_forced(smollm2):
-    """fp32 SmolLM2: g_l from the decode loop vs one forward, all layers; tolerance 1e-3 relative."""
+    """fp32 SmolLM2: g_l from the decode loop vs one forward, all layers; tolerance 1e-4 relative (measured 1.5e-6)."""
     from tasks.prompts import build_prompt_ids
     from tasks.datasets import Problem
 
@@ -129,7 +138,7 @@ def test_smollm2_streaming_hidden_diff_equals_teacher_forced(smollm2):
             a, b = streamed[signal][layer][0, 1:], forced[signal][layer][0, 1:]
             assert a.shape == b.shape == (len(forwarded) - 1,)
             worst = max(worst, ((a - b).abs() / b.abs().clamp_min(1e-3)).max().item())
-    assert worst < 1e-3, worst
+    assert worst < 1e-4, worst
 
 
 def test_cli_writes_signals_and_resumes(tmp_path, tiny_model_dir, tiny_traces):

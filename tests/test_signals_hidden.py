@@ -24,6 +24,15 @@ from probes.signals.hidden import (
 NAN = float("nan")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many small forwards: one thread avoids oversubscribing a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_hidden_diff_is_the_l2_norm_of_the_change():
     prev = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
     cur = torch.tensor([[3.0, 4.0], [1.0, 1.0]])

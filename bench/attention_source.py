@@ -1,0 +1,69 @@
+"""Attention-requiring policies: eager-kernel weights vs windowed recompute inside the fast (SDPA) kernel.
+
+    .venv/bin/python bench/attention_source.py [--policies snapkv,h2o,tova] [--new-tokens 512] [--repeats 3]
+
+Each policy runs twice: on the eager kernel reading the weights it returns (source "eager"), and on SDPA recomputing
+softmax(qK^T) for its query window at each round (source "window"). `full` on each kernel is the baseline, so the
+table separates the kernel's cost from the scoring cost. Medians over interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import fixed_prompt, interleaved, median, set_threads, table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policies", default="snapkv,h2o,tova", help="attention-requiring policies (comma list)")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--buffer", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    set_threads(args.threads)
+
+    from evictor.engine import EvictionEngine
+    from evictor.protocol import EvictionConfig
+    from models.loading import load_model
+
+    models = {"eager": load_model(args.model, attn_implementation="eager"), "sdpa": load_model(args.model)}
+    prompt = fixed_prompt(models["sdpa"])
+    engines = {}
+    for kernel, lm in models.items():
+        engines[f"full@{kernel}"] = EvictionEngine(lm, "full", EvictionConfig(budget=args.budget, buffer=args.buffer))
+        for policy in args.policies.split(","):
+            source = "eager" if kernel == "eager" else "window"
+            config = EvictionConfig(budget=args.budget, buffer=args.buffer, attention_source=source)
+            engines[f"{policy}@{kernel}/{source}"] = EvictionEngine(lm, policy, config)
+    print(f"{args.model}; prompt {len(prompt)} tokens; {args.new_tokens} new tokens; K={args.budget}, "
+          f"r={args.buffer}; {args.threads} thread(s); {args.repeats} repeats")
+
+    def run(name: str) -> dict:
+        stats = engines[name].generate([prompt], args.new_tokens, ignore_eos=True).stats
+        return {"tok_s": stats["decode_tokens_per_s"], "round_share": stats["round_share"],
+                "round_ms": stats["round_ms_median"], "requests": stats["attention_requests"]}
+
+    results = interleaved(list(engines), args.repeats, run)
+    base = median([r["tok_s"] for r in results["full@sdpa"]])
+    rows = []
+    for name, runs in results.items():
+        rows.append({"setting": name, "tok_s": median([r["tok_s"] for r in runs]),
+                     "ratio": median([r["tok_s"] for r in runs]) / base,
+                     "round_share": median([r["round_share"] for r in runs]),
+                     "round_ms": median([r["round_ms"] for r in runs]), "requests": runs[0]["requests"]})
+    print()
+    print(table(rows, [("setting", "setting", "s"), ("tok_s", "tok/s", ".2f"), ("ratio", "x full@sdpa", ".3f"),
+                       ("round_share", "round %", ".2%"), ("round_ms", "ms/round", ".2f"),
+                       ("requests", "attn reqs", "d")]))
+    for policy in args.policies.split(","):
+        eager = next(r for r in rows if r["setting"] == f"{policy}@eager/eager")
+        window = next(r for r in rows if r["setting"] == f"{policy}@sdpa/window")
+        print(f"{policy}: windowed recompute on SDPA runs at {window['tok_s'] / eager['tok_s']:.3f}x the eager-source speed")
+
+
+if __name__ == "__main__":
+    main()

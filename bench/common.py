@@ -1,0 +1,67 @@
+"""Shared pieces of the benchmarks: a fixed prompt, forced-length generation, medians and ratio tables.
+
+Benchmarks are scripts, not tests: they print medians over repeats and ratios against a baseline measured in the
+same run, with the runs of different settings interleaved (repeat-major) so that machine load drifts hit all alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+
+
+def fixed_prompt(lm) -> list[int]:
+    """The benchmark prompt, formatted the way evaluation runs format it."""
+    from tasks.datasets import Problem
+    from tasks.prompts import build_prompt_ids
+
+    return build_prompt_ids(lm.tokenizer, Problem("bench", QUESTION, "72", "gsm8k"))
+
+
+def median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def interleaved(settings: list[str], repeats: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """Run every setting once per repeat, in the same order each repeat; returns setting -> list of results."""
+    results: dict[str, list[dict]] = {name: [] for name in settings}
+    for repeat in range(repeats):
+        for name in settings:
+            out = run(name)
+            results[name].append(out)
+            print(f"  repeat {repeat + 1}/{repeats} {name:<22} " + ", ".join(
+                f"{k}={v:.4g}" for k, v in out.items() if isinstance(v, float)), flush=True)
+    return results
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Fixed-width table; columns are (key, header, format spec)."""
+    widths = [max(len(header), 10) for _, header, _ in columns]
+    lines = ["  ".join(f"{header:>{w}}" if i else f"{header:<{w + 8}}" for i, ((_, header, _), w) in
+                       enumerate(zip(columns, widths)))]
+    for row in rows:
+        cells = []
+        for i, ((key, _, spec), w) in enumerate(zip(columns, widths)):
+            value = row.get(key)
+            text = "-" if value is None else format(value, spec)
+            cells.append(f"{text:>{w}}" if i else f"{text:<{w + 8}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
