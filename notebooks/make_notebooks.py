@@ -249,14 +249,12 @@ geometry[["model", "sink_rate", "sigma_k", "sigma_v", "sigma_ratio", "bos_cos", 
         ("code", '''\
 from figures.sink_ratio import plot_sink_vs_ratio
 
-show(plot_sink_vs_ratio(geometry[["model", "sink_rate", "sigma_k", "sigma_v"]],
-                        title=f"sink rate (τ = {tau}) vs σ_V/σ_K"), "sink_vs_ratio")'''),
+show(plot_sink_vs_ratio(geometry[["model", "sink_rate", "sigma_k", "sigma_v"]]), "sink_vs_ratio")'''),
         ("code", '''\
 from figures.bos_ratio import plot_bos_vs_ratio
 
-show(plot_bos_vs_ratio(geometry[["model", "bos_cos", "sigma_k", "sigma_v", "gap"]],
-                       gap_label=f"ValueDiff − KeyDiff accuracy (points; K = {gap_budget}, n = {limit})",
-                       title="BOS key cosine vs σ_V/σ_K"), "bos_vs_ratio")'''),
+print(f"gap: ValueDiff − KeyDiff accuracy in points at K = {gap_budget} on {limit} {dataset} problems")
+show(plot_bos_vs_ratio(geometry[["model", "bos_cos", "sigma_k", "sigma_v", "gap"]]), "bos_vs_ratio")'''),
         ("code", '''\
 from figures.layer_geometry import plot_layer_geometry
 
@@ -343,16 +341,53 @@ def planted_fact_passcode() -> list[tuple[str, str]]:
 
 Two controlled retrieval probes from the Random Attention notes (§4, Part B):
 
-- **Planted fact** (Fig. 3a): a synthetic fact is inserted into a trace far before a question that needs it, and the
-  experimenter chooses which KV heads keep it through the evictions in between. Retrieval = fraction of traces whose
-  greedy decode reproduces the planted value, per head set, with bootstrap intervals.
-- **Passcode** (Table 3): a passcode is stated once, many eviction rounds before the question; every policy keeps
-  what it likes. Retrieval and the mean log-probability of the correct passcode per policy."""),
+- **Planted fact** (`probes.planted_fact`, Fig. 3a): a synthetic fact (`Let zq = 4729.`) is planted in real reasoning
+  text `distance` eviction rounds before a question that needs it; everything after a short prefilled stub goes
+  through the engine's decode path, and the experimenter chooses which KV heads keep the fact while the policy evicts
+  everything else. Per head set: retrieval (greedy decode reproduces the 4 digits; Wilson interval), mean log p of
+  the digits, graded recall R = Σ(LP − LP_del) / Σ(LP_kept − LP_del), and `held` (fraction of (layer, head)s that
+  still hold the digits). `kept` / `deleted` are the fact kept in / deleted from every head; `full` is the dense run.
+- **Passcode** (`probes.passcode`, Table 3): a passcode stated once, many eviction rounds before the question; every
+  policy keeps what it likes. Retrieval and mean log p of the correct passcode per policy."""),
         ("params", f'''\
 model = "smollm2-135m"  # registry name, HF directory, .gguf, hub id, or tiny-<family>
+policy = "random"  # the policy that evicts everything but the pinned fact
+head_sets = "0;1;2;0,1"  # KV head sets keeping the fact (';'-separated; kept = all heads, deleted = none, are added)
+layers = "all"  # layers in which the chosen heads keep the fact
+n = 8  # planted-fact instances
+budget = 256  # K per KV head, prompt included
+buffer = 32  # recent buffer r
+distance = "4"  # eviction rounds (N) or filler tokens (Nt) between the fact and the question
+lead = 32  # filler tokens before the fact
+box = 16  # tokens of the fact box
+dataset = "math500"  # benchmark whose reference solutions are the filler text
+data_file = None  # problems JSONL instead of the dataset's copy
+batch_size = 8
+n_boot = 4000
 {COMMON_PARAMS}
 out_dir = "runs/notebooks/planted_fact_passcode"'''),
         ("code", SETUP),
+        ("md", "## 1. Planted fact: retrieval by the set of KV heads that keep it"),
+        ("code", '''\
+fact_dir = out / "planted_fact"
+argv = ["--model", model, "--policy", policy, "--heads", head_sets, "--layers", layers, "--n", n, "--budget", budget,
+        "--buffer", buffer, "--distance", distance, "--lead", lead, "--box", box, "--dataset", dataset,
+        "--batch-size", batch_size, "--n-boot", n_boot, "--threads", torch_threads, "--out", fact_dir]
+argv += ["--data-file", data_file] if data_file else []
+run("probes.planted_fact", argv)
+fact = pd.read_csv(fact_dir / "summary.csv", dtype={"condition": str, "heads": str})
+fact[["condition", "heads", "n_heads", "layers", "n", "retrieval", "retrieval_lo", "retrieval_hi", "mean_lp", "R",
+      "R_lo", "R_hi", "held"]]'''),
+        ("code", '''\
+from figures.head_sets import plot_head_set_retrieval
+
+# The dense run (`full`) evicts nothing, so it belongs to no head set: it stays in the table above.
+evicted = fact[fact["condition"] != "full"]
+show(plot_head_set_retrieval(pd.DataFrame({
+        "head_set": evicted["condition"], "n_heads": evicted["n_heads"].astype(int),
+        "retrieval": evicted["retrieval"], "ci_low": evicted["retrieval_lo"], "ci_high": evicted["retrieval_hi"],
+        "recall_R": evicted["R"]}),
+    title=f"{model}: planted fact {distance} rounds back, {policy} elsewhere (K = {budget})"), "head_set_retrieval")'''),
     ]
 
 

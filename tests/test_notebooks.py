@@ -32,9 +32,14 @@ EXPECTED_FIGURES = {
     "speed_memory": ["cost_vs_budget", "prefill_memory", "projection_epikv", "projection_model"],
 }
 
+# "solution" is the filler text of the planted-fact probe.
 TINY_PROBLEMS = [
-    {"id": "tiny-0", "question": "What is 2 + 3?", "answer": "5"},
-    {"id": "tiny-1", "question": "What is 4 times 2?", "answer": "8"},
+    {"id": "tiny-0", "question": "What is 2 + 3?", "answer": "5",
+     "solution": "We add the two numbers. Two plus three is five, because counting up three from two gives three, "
+                 "four, five. So the sum is 5 and we are done with this small problem."},
+    {"id": "tiny-1", "question": "What is 4 times 2?", "answer": "8",
+     "solution": "Four times two means four added twice: four plus four. That is eight. We can check by doubling "
+                 "four, which again gives eight, so the answer is 8."},
 ]
 
 
@@ -53,7 +58,8 @@ def tiny_parameters(name: str, tmp: Path) -> dict:
         return {**common, **evict, "limit": 2, "max_new_tokens": 10, "policies": ["random", "valuediff"],
                 "budgets": [2, 4], "batch_size": 2, "compare": ["valuediff", "random"], "n_boot": 200}
     if name == "planted_fact_passcode":
-        return common
+        return {**common, "head_sets": "0;1", "n": 2, "budget": 96, "buffer": 4, "distance": "1", "lead": 8,
+                "box": 24, "dataset": "gsm8k", "data_file": str(data_file), "batch_size": 2, "n_boot": 100}
     if name == "speed_memory":
         return {**common, **evict, "limit": 1, "max_new_tokens": 8, "policies": ["recency"], "budgets": [2, 4],
                 "ctx_lengths": [16, 32], "projection_ctx": [1024, 4096, 32768]}

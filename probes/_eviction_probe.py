@@ -1,0 +1,561 @@
+"""Machinery shared by the eviction probes `probes.planted_fact` and `probes.passcode`.
+
+An *instance* is a scripted token sequence run through the eviction engine (`evictor.engine`):
+
+    [ stub | lead filler | fact box | gap filler | question box | value ]
+      prefill  ------------- teacher-forced through Session.step, one token per step -------------
+
+Only the stub (a short chat-template turn, or plain text for base models) is prefilled, so only it is protected by
+prompt protection; every later token goes through the decode path and is scored and evicted exactly like a
+generated token (Random Attention notes, Step 5: "23-token prefilled stub, scripted body fed through the true decode
+path, 16-token fact box"). The fact box holds the fact sentence followed by the continuing filler; the question box
+holds filler followed by the question, right-aligned. Every segment has a fixed size, so all instances of a run
+share one layout and batch without padding (and share one eviction schedule).
+
+Filler is real reasoning text: the reference solutions of a benchmark (default MATH-500) or the model's own dense
+traces (a `tasks.run` / `evictor.run` generations.jsonl). Each instance reads consecutive texts from its own random
+starting point, and draws its variable name and value so that neither occurs in its filler.
+
+The value is a 4-digit number (1000..9999, chance of a blind guess 1/9000) and its digit tokens are the target:
+the tokenizer's leading space token is moved into the question, so log p(value) sums over the digits only.
+Retrieval = every digit is the argmax under teacher forcing, which is exactly "greedy decoding reproduces the value"
+(greedy decoding walks the teacher-forced path for as long as it agrees with it).
+
+Distance: ``N`` (or ``Nr``) eviction rounds = the shortest gap such that N rounds fire with the whole fact box among
+the candidates (older than the buffer and the recency window) before the value's first token is predicted; ``Nt``
+= N filler tokens. The schedule comes from simulating the engine's own `evictor.protocol.plan_round`, and every
+instance records the rounds that actually fired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import re
+import string
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from evictor.protocol import (
+    ATTENTION_SOURCES,
+    DEFAULT_BLOCK,
+    TRIGGERS,
+    EvictionConfig,
+    plan_round,
+    sequence_budgets,
+)
+from models.cli import atomic_write, positive_int
+from models.errors import UsageError
+from models.loading import KERNELS
+from models.records import read_jsonl
+from models.registry import DEFAULT_MODEL, REGISTRY
+from tasks.prompts import uses_chat_template
+from validation.paired import bootstrap_means, percentile_interval
+from validation.stats import wilson_interval
+
+STUB_TEXT = "Read the following working and answer the question at the end."
+VALUES = (1000, 10000)  # 4-digit values, drawn uniformly from [1000, 10000)
+CHANCE = 1.0 / (VALUES[1] - VALUES[0])
+# Two-letter variable names, minus words and symbols that real maths text uses as words (the filler check below
+# also rejects any name that occurs in an instance's own filler).
+_COMMON = {"am", "an", "as", "at", "be", "by", "do", "go", "he", "if", "in", "is", "it", "me", "my", "no", "of",
+           "on", "or", "so", "to", "up", "us", "we", "ok", "pi", "ln", "lg", "dx", "dy", "dt", "cm", "km", "mm", "kg",
+           "th", "st", "nd", "rd", "eq", "id", "ie", "eg", "vs", "mi", "ft", "hr", "cd", "ab", "bc", "ac"}
+VARIABLES = tuple(a + b for a in string.ascii_lowercase for b in string.ascii_lowercase if a + b not in _COMMON)
+
+
+# --- scripts and layout ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Script:
+    """The wording of a probe: a fact sentence and a question, with ``{var}`` / ``{value}`` placeholders."""
+
+    fact: str  # e.g. "\nLet {var} = {value}."
+    question: str  # e.g. "\nWhat is the value of {var}? {var} =" -- the value's tokens follow it
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Token counts of every segment; identical for every instance of a run."""
+
+    stub: int
+    lead: int
+    box: int
+    gap: int
+    question: int  # the question box
+    value: int  # digit tokens of the value
+
+    @property
+    def box_start(self) -> int:
+        return self.stub + self.lead
+
+    @property
+    def box_end(self) -> int:
+        return self.box_start + self.box
+
+    @property
+    def value_start(self) -> int:
+        return self.box_end + self.gap + self.question
+
+    @property
+    def total(self) -> int:
+        return self.value_start + self.value
+
+    def positions(self) -> dict[str, int]:
+        """Absolute positions of the segment boundaries (for records)."""
+        return {"box_start": self.box_start, "box_end": self.box_end,
+                "question_start": self.box_end + self.gap, "value_start": self.value_start, "end": self.total}
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: str
+    index: int
+    var: str | None
+    value: int
+    body: tuple[int, ...]  # every token after the stub, ending with the value's digit tokens
+    watch: tuple[int, ...]  # absolute positions of the value's digits inside the fact sentence
+    filler_ids: tuple[str, ...]  # ids of the texts the filler was cut from
+
+
+@dataclass(frozen=True)
+class Distance:
+    amount: int
+    unit: str  # "rounds" | "tokens"
+
+    def __str__(self) -> str:
+        return f"{self.amount}{'r' if self.unit == 'rounds' else 't'}"
+
+
+def parse_distance(text: str) -> Distance:
+    """``"4"`` / ``"4r"`` -> 4 eviction rounds; ``"300t"`` -> 300 filler tokens."""
+    match = re.fullmatch(r"\s*(\d+)\s*([rt]?)\s*", text)
+    if not match:
+        raise UsageError(f"--distance {text!r} must be N (eviction rounds), Nr (rounds) or Nt (filler tokens)")
+    amount, unit = int(match.group(1)), "tokens" if match.group(2) == "t" else "rounds"
+    if unit == "rounds" and amount < 1:
+        raise UsageError(f"--distance {text!r}: at least 1 eviction round")
+    return Distance(amount, unit)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stub_ids(tokenizer) -> list[int]:
+    """The prefilled prompt: one user turn through the chat template, or plain text (with BOS) for base models."""
+    if uses_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": STUB_TEXT}], tokenize=False,
+                                             add_generation_prompt=True)
+        return encode(tokenizer, text)
+    return list(tokenizer(STUB_TEXT + "\n\n")["input_ids"])
+
+
+def split_value(tokenizer, value: int) -> tuple[list[int], list[int]]:
+    """Tokens of ``" <value>"`` split into (leading tokens without a digit, the rest = the target)."""
+    ids = encode(tokenizer, f" {value}")
+    first = next(i for i, t in enumerate(ids) if any(c.isdigit() for c in tokenizer.decode([t])))
+    return ids[:first], ids[first:]
+
+
+def value_positions(tokenizer, fact_ids: Sequence[int]) -> list[int]:
+    """Offsets of the tokens of a fact sentence that carry a digit of its value."""
+    return [i for i, t in enumerate(fact_ids) if any(c.isdigit() for c in tokenizer.decode([t]))]
+
+
+def base_layout(tokenizer, script: Script, stub: int, lead: int, box: int) -> Layout:
+    """The layout before the gap is known: the question box fits the longest question over every variable name."""
+    fact = max(len(encode(tokenizer, script.fact.format(var=v, value=VALUES[1] - 1))) for v in VARIABLES)
+    if fact > box:
+        raise UsageError(f"--box {box} is too small: the fact sentence takes up to {fact} tokens with this tokenizer")
+    lead_tokens, digits = split_value(tokenizer, 4729)
+    question = max(len(encode(tokenizer, script.question.format(var=v))) for v in VARIABLES) + len(lead_tokens)
+    return Layout(stub=stub, lead=lead, box=box, gap=0, question=question, value=len(digits))
+
+
+# --- the eviction schedule ---------------------------------------------------------------------------------------
+def eviction_rounds(prompt_len: int, end: int, budget: int, limit: int, config: EvictionConfig) -> list[int]:
+    """``next_pos`` at every eviction round of one sequence whose positions ``0..end-1`` are fed (prompt in
+    prefill blocks, then one token per step), replaying `evictor.protocol.plan_round` on host-side counts."""
+    fired, n = [], 0
+    feeds = [(min(s + config.block, prompt_len), True) for s in range(0, prompt_len, config.block)]
+    feeds += [(pos, False) for pos in range(prompt_len + 1, end + 1)]
+    produced = 0
+    for next_pos, boundary in feeds:
+        n += next_pos - produced
+        produced = next_pos
+        plan = plan_round(slots=n, n_valid=[n], next_pos=[next_pos], limits=[limit], budgets=[budget],
+                          buffer=config.buffer, recency=config.recency, trigger=config.trigger, boundary=boundary)
+        if plan is not None:
+            n = plan.n_keep[0]
+            fired.append(next_pos)
+    return fired
+
+
+def fact_rounds(rounds: Sequence[int], layout: Layout, config: EvictionConfig) -> int:
+    """Rounds that had the whole fact box among their candidates and fired before the value's first token was
+    predicted (a round after the forward of position p has ``next_pos = p + 1``; the value's first token is
+    predicted by the forward of position ``value_start - 1``)."""
+    return sum(1 for next_pos in rounds
+               if layout.box_end <= next_pos - config.buffer - config.recency and next_pos < layout.value_start)
+
+
+def resolve_gap(layout: Layout, distance: Distance, budget: int, limit: int, config: EvictionConfig) -> Layout:
+    """The layout with its gap: `distance` tokens, or the shortest gap giving `distance` fact rounds."""
+    if distance.unit == "tokens":
+        return replace(layout, gap=distance.amount)
+
+    def count(gap: int) -> int:
+        trial = replace(layout, gap=gap)
+        return fact_rounds(eviction_rounds(layout.stub, trial.value_start, budget, limit, config), trial, config)
+
+    high = budget + 2 * config.buffer + (distance.amount + 2) * (config.buffer + config.recency + 1) + layout.box
+    if count(high) < distance.amount:
+        raise UsageError(f"--distance {distance}: the protocol fires fewer than {distance.amount} rounds within "
+                         f"{high} tokens (budget {budget}, buffer {config.buffer}, trigger {config.trigger})")
+    low = 0
+    while low < high:  # the count never decreases as the gap grows
+        middle = (low + high) // 2
+        if count(middle) >= distance.amount:
+            high = middle
+        else:
+            low = middle + 1
+    return replace(layout, gap=low)
+
+
+def protocol_layout(layout: Layout, distance: Distance, config: EvictionConfig, protect: str) -> Layout:
+    budgets, limits = sequence_budgets([int(config.budget)], [layout.stub], protect, config)
+    return resolve_gap(layout, distance, budgets[0], limits[0], config)
+
+
+# --- filler and instances ----------------------------------------------------------------------------------------
+def filler_texts(filler: str | None, dataset: str, data_file: str | None) -> tuple[list[tuple[str, str]], str]:
+    """(id, text) pairs of real reasoning text and where they came from."""
+    if filler is not None:
+        path = Path(filler).expanduser()
+        path = path / "generations.jsonl" if path.is_dir() else path
+        if not path.is_file():
+            raise UsageError(f"--filler {filler!r}: no such generations.jsonl (file or run directory)")
+        pairs = [(str(r.get("id", i)), r["text"]) for i, r in enumerate(read_jsonl(path))
+                 if isinstance(r.get("text"), str) and r["text"].strip()]
+        if not pairs:
+            raise UsageError(f"--filler {path}: no record has a non-empty 'text' field")
+        return pairs, str(path)
+    from tasks.datasets import load_problems, resolve_source
+
+    problems = load_problems(dataset, data_file=data_file)
+    pairs = [(p.id, p.meta["solution"]) for p in problems if str(p.meta.get("solution") or "").strip()]
+    if not pairs:
+        raise UsageError(f"dataset {dataset!r} has no reference solutions to use as filler; pass --filler with a "
+                         "generations.jsonl of the model's own traces")
+    return pairs, resolve_source(dataset, data_file)
+
+
+class InstanceBuilder:
+    """Builds the instances of a run: instance i depends only on (seed, i), the texts and the layout."""
+
+    SEPARATOR = "\n\n"
+
+    def __init__(self, tokenizer, script: Script, texts: Sequence[tuple[str, str]], layout: Layout, seed: int,
+                 uses_var: bool):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.texts = list(texts)
+        self.layout = layout
+        self.seed = seed
+        self.uses_var = uses_var
+        self.separator = encode(tokenizer, self.SEPARATOR)
+        self._tokens: dict[int, list[int]] = {}
+
+    def _text_tokens(self, k: int) -> list[int]:
+        if k not in self._tokens:
+            self._tokens[k] = encode(self.tokenizer, self.texts[k][1]) + self.separator
+        return self._tokens[k]
+
+    def _stream(self, start: int, need: int) -> tuple[list[int], list[str]]:
+        tokens, ids, k = [], [], start
+        while len(tokens) < need:  # every text contributes at least the separator
+            tokens += self._text_tokens(k % len(self.texts))
+            ids.append(self.texts[k % len(self.texts)][0])
+            k += 1
+        return tokens[:need], ids
+
+    def build(self, index: int) -> Instance:
+        lay = self.layout
+        rng = np.random.default_rng([self.seed, index])
+        start = int(rng.integers(len(self.texts)))
+        for _ in range(1000):
+            var = str(rng.choice(VARIABLES)) if self.uses_var else None
+            value = int(rng.integers(*VALUES))
+            fact = encode(self.tokenizer, self.script.fact.format(var=var, value=value))
+            lead_tokens, digits = split_value(self.tokenizer, value)
+            question = encode(self.tokenizer, self.script.question.format(var=var)) + lead_tokens
+            if len(digits) != lay.value or len(fact) > lay.box or len(question) > lay.question:
+                continue  # a tokenizer that merges digits: keep the run's value length
+            pad_box, pad_question = lay.box - len(fact), lay.question - len(question)
+            filler, ids = self._stream(start, lay.lead + pad_box + lay.gap + pad_question)
+            text = self.tokenizer.decode(filler)
+            if (var is not None and re.search(rf"\b{var}\b", text)) or str(value) in text:
+                continue
+            body = filler[: lay.lead] + fact + filler[lay.lead:] + question + digits
+            watch = tuple(lay.box_start + i for i in value_positions(self.tokenizer, fact))
+            return Instance(f"i{index:05d}", index, var, value, tuple(body), watch, tuple(ids))
+        raise UsageError(f"instance {index}: no variable/value pair fits the layout and avoids the filler")
+
+
+# --- running -----------------------------------------------------------------------------------------------------
+@dataclass
+class Forced:
+    """Teacher-forced results of one batch, per row."""
+
+    logprobs: np.ndarray  # [rows, value] log p of each digit token of the value
+    argmax: np.ndarray  # [rows, value] the greedy token at each digit position
+    resident: np.ndarray  # [rows, layers, kv_heads] every digit of the fact cached when the value is first predicted
+    rounds: list[int]  # next_pos of every decode-time eviction round (all rows share the schedule)
+
+
+def resident_heads(cache, watch: Sequence[int]) -> np.ndarray:
+    """``[batch, layers, kv_heads]``: does the (layer, head) hold every position of `watch`?"""
+    wanted = torch.tensor(list(watch), dtype=torch.int32)
+    held = []
+    for layer in cache.layers:
+        positions = layer.positions  # [batch, kv_head, slots]
+        hit = (positions[..., None] == wanted.to(positions.device)).any(dim=2)  # [batch, kv_head, len(watch)]
+        held.append(hit.all(dim=-1))
+    return torch.stack(held, dim=1).cpu().numpy()
+
+
+def run_forced(engine, prompt: Sequence[int], bodies: Sequence[Sequence[int]], value_len: int,
+               watch: Sequence[int], seed: int, progress: Callable[[int], None] | None = None) -> Forced:
+    """Prefill `prompt` and teacher-force every row's body through the engine's decode path.
+
+    All rows share the prompt and the body length (so they share positions and the eviction schedule). The last
+    `value_len` body tokens are the value; the log-probs of those tokens are collected as they are forced.
+    """
+    body = torch.tensor([list(b) for b in bodies], dtype=torch.long)  # [rows, T]
+    rows, length = body.shape
+    first = length - value_len  # body index of the value's first token
+    logprobs, argmax, rounds, resident = [], [], [], None
+    with torch.inference_mode(), engine.session([list(prompt)] * rows, max_new_tokens=length, seed=seed) as session:
+        session.prefill()
+        session.begin_decode()
+        for j in range(length - 1):  # the value's last token is never fed
+            if j == first - 1:  # this forward predicts the value's first token: what does it attend to?
+                resident = resident_heads(session.cache, watch)
+            before = session.rounds[0]
+            logits = session.step(body[:, j])
+            if session.rounds[0] > before:
+                rounds.append(session.next_pos[0])
+            if j >= first - 1:
+                scores = logits.float().log_softmax(-1)  # [rows, vocab]
+                target = body[:, j + 1].to(scores.device)
+                logprobs.append(scores.gather(-1, target[:, None])[:, 0].cpu())
+                argmax.append(scores.argmax(-1).cpu())
+            if progress is not None:
+                progress(1)
+        session.end_decode()
+    return Forced(torch.stack(logprobs, 1).numpy(), torch.stack(argmax, 1).numpy(), resident, rounds)
+
+
+@torch.inference_mode()
+def dense_logprobs(lm, prompt: Sequence[int], bodies: Sequence[Sequence[int]], value_len: int) -> Forced:
+    """The same rows without eviction (one ordinary forward each): the `full` reference."""
+    ids = torch.tensor([list(prompt) + list(b[:-1]) for b in bodies], dtype=torch.long, device=lm.device)
+    logits = lm.model(input_ids=ids, logits_to_keep=value_len).logits.float().log_softmax(-1)  # [rows, value, vocab]
+    target = torch.tensor([list(b[-value_len:]) for b in bodies], dtype=torch.long, device=logits.device)
+    logprobs = logits.gather(-1, target[..., None])[..., 0].cpu().numpy()
+    cfg = lm.config
+    resident = np.ones((len(bodies), cfg.num_hidden_layers, cfg.num_key_value_heads), dtype=bool)
+    return Forced(logprobs, logits.argmax(-1).cpu().numpy(), resident, [])
+
+
+def outcome(tokenizer, forced: Forced, row: int, target: Sequence[int]) -> dict[str, Any]:
+    """One row's result: log p(value), per-token log-probs, retrieval, and the greedy continuation up to and
+    including its first wrong token (exactly what greedy decoding would have produced)."""
+    picks = [int(t) for t in forced.argmax[row]]
+    agree = [p == t for p, t in zip(picks, target)]
+    greedy = picks if all(agree) else picks[: agree.index(False) + 1]
+    return {
+        "lp": float(forced.logprobs[row].sum()),
+        "token_lp": [round(float(x), 5) for x in forced.logprobs[row]],
+        "retrieved": all(agree),
+        "greedy": tokenizer.decode(greedy),
+        "resident": float(forced.resident[row].mean()),
+        "resident_heads": forced.resident[row].astype(int).tolist(),
+    }
+
+
+def batch_seed(seed: int, indices: Sequence[int]) -> int:
+    """An eviction seed that depends only on the run seed and the batch, so a resumed run redraws the same."""
+    return (seed * 1_000_003 + zlib.crc32(str(list(indices)).encode())) % (2**63)
+
+
+def chunks(n: int, size: int) -> list[list[int]]:
+    return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+
+
+# --- statistics --------------------------------------------------------------------------------------------------
+def graded_recall(lp, lp_kept, lp_del) -> float:
+    """Random Attention notes §3.3: R = sum(LP - LP_del) / sum(LP_kept - LP_del) over instances.
+
+    1 = as good as keeping the fact everywhere, 0 = as good as deleting it; NaN when keeping does not beat deleting
+    on aggregate (the denominator is <= 0 and R has no meaning).
+    """
+    lp, lp_kept, lp_del = (np.asarray(x, dtype=float) for x in (lp, lp_kept, lp_del))
+    den = float(np.sum(lp_kept - lp_del))
+    return float(np.sum(lp - lp_del)) / den if den > 0 else math.nan
+
+
+def ratio_bootstrap(num, den, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """Replicates of sum(num) / sum(den), resampling instances (pairs kept together) with replacement; NaN where
+    a replicate's denominator is <= 0."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    idx = rng.integers(0, num.size, size=(n_boot, num.size))
+    top, bottom = num[idx].sum(axis=1), den[idx].sum(axis=1)
+    return np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.nan)
+
+
+def interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
+    finite = replicates[np.isfinite(replicates)]
+    return percentile_interval(finite, level) if finite.size else (math.nan, math.nan)
+
+
+def summarise(retrieved, lp, n_boot: int, level: float, seed: int, kept=None, deleted=None) -> dict[str, Any]:
+    """Retrieval (Wilson interval: one 0/1 trial per instance), mean log p (instance bootstrap) and, given the
+    kept / deleted references of the same instances, graded recall R with an instance-clustered bootstrap."""
+    retrieved, lp = np.asarray(retrieved, dtype=float), np.asarray(lp, dtype=float)
+    n = lp.size
+    rng = np.random.default_rng(seed)
+    lo, hi = wilson_interval(float(retrieved.sum()), n, level)
+    lp_lo, lp_hi = interval(bootstrap_means(lp, n_boot, rng), level)
+    row = {"n": n, "retrieval": float(retrieved.mean()), "retrieval_lo": lo, "retrieval_hi": hi,
+           "mean_lp": float(lp.mean()), "lp_lo": lp_lo, "lp_hi": lp_hi}
+    if kept is not None:
+        kept, deleted = np.asarray(kept, dtype=float), np.asarray(deleted, dtype=float)
+        r_lo, r_hi = interval(ratio_bootstrap(lp - deleted, kept - deleted, n_boot, rng), level)
+        row.update({"R": graded_recall(lp, kept, deleted), "R_lo": r_lo, "R_hi": r_hi})
+    return row
+
+
+# --- CLI and output helpers --------------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(sorted(REGISTRY))}), local HF "
+                   f"directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--n", type=positive_int, default=20, help="instances (default: 20)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws each instance's variable, value and filler start, and seeds the eviction (default: 0)")
+    p.add_argument("--budget", type=positive_int, default=256,
+                   help="K per KV head in tokens, prompt included; Random Attention's 1024 scaled to a 135M model "
+                   "(default: 256)")
+    p.add_argument("--buffer", type=positive_int, default=32,
+                   help="recent buffer r: the r newest tokens are never evicted; with the interval trigger a round "
+                   "fires every r tokens (default: 32)")
+    p.add_argument("--trigger", default="interval", choices=TRIGGERS,
+                   help="interval: evict every r steps once the cache reaches K + 2r; step: whenever over K + r")
+    p.add_argument("--lead", type=positive_int, default=32, help="filler tokens before the fact (default: 32)")
+    p.add_argument("--box", type=positive_int, default=16,
+                   help="tokens of the fact box: the fact sentence, padded with the following filler (default: 16)")
+    p.add_argument("--filler", default=None,
+                   help="a generations.jsonl (or its run directory) of the model's dense traces to cut filler from "
+                   "(default: the --dataset reference solutions)")
+    p.add_argument("--dataset", default="math500", help="benchmark whose solutions are the filler (default: math500)")
+    p.add_argument("--data-file", default=None, help="read the --dataset problems from this JSONL")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="instances decoded together; the rows of a batch share the eviction draws' generator, so "
+                   "results are reproducible for the same --n and --batch-size (default: 8)")
+    p.add_argument("--n-boot", type=positive_int, default=4000, help="bootstrap replicates (default: 4000)")
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
+    p.add_argument("--attention-source", default=None, choices=ATTENTION_SOURCES,
+                   help="for attention-requiring policies: eager kernel weights (needs --kernel eager) or recomputed "
+                   "attention of a window of recent queries (default: eager iff --kernel eager)")
+    p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, FA2 on CUDA)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with other jobs")
+    p.add_argument("--out", default=None, help="output directory (default: runs/<probe>/<model>-<policy>-...)")
+
+
+def check_common(args) -> None:
+    if not 0 < args.level < 1:
+        raise UsageError(f"--level must be in (0, 1), got {args.level}")
+    if args.data_file is not None and not Path(args.data_file).expanduser().is_file():
+        raise UsageError(f"--data-file {args.data_file!r} does not exist")
+
+
+def protocol(args) -> EvictionConfig:
+    return EvictionConfig(budget=args.budget, buffer=args.buffer, block=DEFAULT_BLOCK, trigger=args.trigger,
+                          attention_source=args.attention_source, seed=args.seed)
+
+
+def check_resumable(out: Path, identity: dict) -> None:
+    """A directory holding a run with other settings is refused (the instance count may grow)."""
+    path = out / "config.json"
+    if not path.exists():
+        return
+    try:
+        previous = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UsageError(f"{path} is not valid JSON; use another --out") from None
+    old = json.dumps(previous.get("identity"), sort_keys=True, default=str)
+    if old != json.dumps(identity, sort_keys=True, default=str):
+        raise UsageError(f"{out} holds a run with different settings; use another --out (or the same settings)")
+
+
+def write_summary(out: Path, rows: list[dict], extra: dict) -> None:
+    with atomic_write(out / "summary.json") as handle:
+        json.dump({"rows": rows, **extra}, handle, indent=2, default=str)
+        handle.write("\n")
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    with atomic_write(out / "summary.csv") as handle:
+        handle.write(buffer.getvalue())
+
+
+def format_table(rows: list[dict], columns: Sequence[tuple[str, str, int]], graded: bool) -> str:
+    """Rows as a fixed-width table: the label `columns` ((key, header, width), the first left-aligned), then
+    n, retrieval and its interval, mean LP and its interval, R and its interval when `graded`, and held."""
+
+    def num(value, spec):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    def ci(row, lo, hi, spec):
+        return "-" if row.get(lo) is None else f"[{num(row[lo], spec)}, {num(row[hi], spec)}]"
+
+    stats = [("n", 4, lambda r: str(r["n"])), ("retr", 6, lambda r: num(r["retrieval"], ".3f")),
+             ("retr CI", 15, lambda r: ci(r, "retrieval_lo", "retrieval_hi", ".3f")),
+             ("mean LP", 8, lambda r: num(r["mean_lp"], ".3f")),
+             ("LP CI", 17, lambda r: ci(r, "lp_lo", "lp_hi", ".2f"))]
+    if graded:
+        stats += [("R", 6, lambda r: num(r.get("R"), ".3f")), ("R CI", 15, lambda r: ci(r, "R_lo", "R_hi", ".2f"))]
+    stats.append(("held", 5, lambda r: num(r.get("held"), ".2f")))
+
+    def line(labels: list[str], values: list[str]) -> str:
+        (_, _, first), *rest = columns
+        parts = [f"{labels[0][:first]:<{first}}"] + [f"{v:>{w}}" for v, (_, _, w) in zip(labels[1:], rest)]
+        return " ".join(parts + [f"{v:>{w}}" for v, (_, w, _) in zip(values, stats)])
+
+    head = line([h for _, h, _ in columns], [h for h, _, _ in stats])
+    body = [line(["-" if r.get(k) is None else str(r[k]) for k, _, _ in columns], [f(r) for _, _, f in stats])
+            for r in rows]
+    return "\n".join([head, "-" * len(head), *body])
+
+
+def layout_record(layout: Layout) -> dict[str, int]:
+    return {**asdict(layout), **layout.positions()}
