@@ -200,7 +200,7 @@ the cosine of the BOS key to the mean key. This notebook
 model = "smollm2-135m"  # registry name, HF directory, .gguf, hub id, or tiny-<family>
 extra_models = []  # more models to survey and compare, e.g. ["gemma3-270m"]
 prompts = 4  # calibration sequences
-ctx = 512  # tokens per calibration sequence (>= topk + 36)
+ctx = 512  # tokens per calibration sequence, at least topk + 36
 topk = 64  # k of the top-k attention Jaccard
 queries = 32  # query positions of the Jaccard statistic
 tau = 0.3  # sink threshold on the leading-token attention weight
@@ -352,7 +352,7 @@ Two controlled retrieval probes from the Random Attention notes (§4, Part B):
         ("params", f'''\
 model = "smollm2-135m"  # registry name, HF directory, .gguf, hub id, or tiny-<family>
 policy = "random"  # the policy that evicts everything but the pinned fact
-head_sets = "0;1;2;0,1"  # KV head sets keeping the fact (';'-separated; kept = all heads, deleted = none, are added)
+head_sets = "0;1;2;0,1"  # KV head sets that keep the fact; kept (all heads) and deleted (none) are added
 layers = "all"  # layers in which the chosen heads keep the fact
 n = 8  # planted-fact instances
 budget = 256  # K per KV head, prompt included
@@ -421,7 +421,7 @@ sweep_dir = None  # reuse this evictor.run sweep instead of running one
 ctx_lengths = [256, 512, 1024, 2048]  # prefill memory context lengths
 kernels = ["sdpa", "eager+attentions"]
 projection_ctx = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
-projection_budgets = [None, 1024, 2048]  # None = no eviction
+projection_budgets = [None, 1024, 2048]  # None means no eviction
 projection_gpu_gb = 80.0  # GPU memory for this model's projection
 {COMMON_PARAMS}
 out_dir = "runs/notebooks/speed_memory"'''),

@@ -318,17 +318,21 @@ class Forced:
 
     logprobs: np.ndarray  # [rows, value] log p of each digit token of the value
     argmax: np.ndarray  # [rows, value] the greedy token at each digit position
-    resident: np.ndarray  # [rows, layers, kv_heads] every digit of the fact cached when the value is first predicted
+    resident: np.ndarray  # [rows, layers, kv_heads] every digit of the fact visible when the value is first predicted
     rounds: list[int]  # next_pos of every decode-time eviction round (all rows share the schedule)
 
 
-def resident_heads(cache, watch: Sequence[int]) -> np.ndarray:
-    """``[batch, layers, kv_heads]``: does the (layer, head) hold every position of `watch`?"""
+def resident_heads(cache, watch: Sequence[int], query: int) -> np.ndarray:
+    """``[batch, layers, kv_heads]``: can a query at position `query` attend to every position of `watch` in that
+    (layer, head)? The slots must be cached and, in a sliding-window layer, inside the window (the engine may leave
+    out-of-window slots cached when the budget has room, but the mask hides them)."""
     wanted = torch.tensor(list(watch), dtype=torch.int32)
     held = []
     for layer in cache.layers:
         positions = layer.positions  # [batch, kv_head, slots]
         hit = (positions[..., None] == wanted.to(positions.device)).any(dim=2)  # [batch, kv_head, len(watch)]
+        if layer.sliding_window is not None:
+            hit &= (query - wanted.to(positions.device)) < layer.sliding_window
         held.append(hit.all(dim=-1))
     return torch.stack(held, dim=1).cpu().numpy()
 
@@ -349,7 +353,7 @@ def run_forced(engine, prompt: Sequence[int], bodies: Sequence[Sequence[int]], v
         session.begin_decode()
         for j in range(length - 1):  # the value's last token is never fed
             if j == first - 1:  # this forward predicts the value's first token: what does it attend to?
-                resident = resident_heads(session.cache, watch)
+                resident = resident_heads(session.cache, watch, session.next_pos[0])
             before = session.rounds[0]
             logits = session.step(body[:, j])
             if session.rounds[0] > before:
@@ -366,14 +370,20 @@ def run_forced(engine, prompt: Sequence[int], bodies: Sequence[Sequence[int]], v
 
 
 @torch.inference_mode()
-def dense_logprobs(lm, prompt: Sequence[int], bodies: Sequence[Sequence[int]], value_len: int) -> Forced:
-    """The same rows without eviction (one ordinary forward each): the `full` reference."""
+def dense_logprobs(lm, prompt: Sequence[int], bodies: Sequence[Sequence[int]], value_len: int,
+                   watch: Sequence[int]) -> Forced:
+    """The same rows without eviction (one ordinary forward each): the `full` reference. Every layer holds the
+    fact, but a sliding-window layer sees it only while it is inside the window."""
     ids = torch.tensor([list(prompt) + list(b[:-1]) for b in bodies], dtype=torch.long, device=lm.device)
     logits = lm.model(input_ids=ids, logits_to_keep=value_len).logits.float().log_softmax(-1)  # [rows, value, vocab]
     target = torch.tensor([list(b[-value_len:]) for b in bodies], dtype=torch.long, device=logits.device)
     logprobs = logits.gather(-1, target[..., None])[..., 0].cpu().numpy()
     cfg = lm.config
-    resident = np.ones((len(bodies), cfg.num_hidden_layers, cfg.num_key_value_heads), dtype=bool)
+    query = len(prompt) + len(bodies[0]) - value_len - 1  # the position whose forward predicts the first digit
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    visible = [t != "sliding_attention" or query - min(watch) < cfg.sliding_window for t in types]
+    resident = np.broadcast_to(np.array(visible)[None, :, None],
+                               (len(bodies), cfg.num_hidden_layers, cfg.num_key_value_heads)).copy()
     return Forced(logprobs, logits.argmax(-1).cpu().numpy(), resident, [])
 
 

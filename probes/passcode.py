@@ -138,7 +138,7 @@ def _run(argv: list[str] | None) -> int:
                         continue
                     bodies = [inst.body for inst in group]
                     if cell == FULL:
-                        forced = dense_logprobs(lm, stub, bodies, layout.value)
+                        forced = dense_logprobs(lm, stub, bodies, layout.value, group[0].watch)
                     else:
                         with tqdm(total=steps, unit="tok", leave=False, file=sys.stderr, desc=cell) as inner_bar:
                             forced = run_forced(engines[cell], stub, bodies, layout.value, group[0].watch, seed,

@@ -318,7 +318,7 @@ def _run(argv: list[str] | None) -> int:
                 bodies = [inst.body for inst in group for _ in conditions.masks]
                 with tqdm(total=steps, unit="tok", leave=False, file=sys.stderr, desc="decode") as inner_bar:
                     forced = run_forced(engine, stub, bodies, layout.value, group[0].watch, seed, inner_bar.update)
-                dense = dense_logprobs(lm, stub, [inst.body for inst in group], layout.value)
+                dense = dense_logprobs(lm, stub, [inst.body for inst in group], layout.value, group[0].watch)
                 rounds = fact_rounds(forced.rounds, layout, config)
                 for k, inst in enumerate(group):
                     if inst.id in store:

@@ -8,6 +8,7 @@ every trace: layer_anatomy is given hand-made traces and labels instead (labelli
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -96,6 +97,10 @@ def test_committed_notebook_has_no_outputs(path):
     nbformat.validate(notebook)
     code = [c for c in notebook.cells if c.cell_type == "code"]
     assert code and "parameters" in code[0].metadata.get("tags", []), "first code cell must be tagged 'parameters'"
+    from papermill.translators import PythonTranslator
+
+    assigned = [t.id for node in ast.parse(code[0].source).body for t in node.targets]
+    assert [p.name for p in PythonTranslator.inspect(code[0])] == assigned, "papermill cannot parse every parameter"
     for cell in code:
         assert cell.outputs == [], f"cell {cell.id} has outputs"
         assert cell.execution_count is None, f"cell {cell.id} has an execution count"
