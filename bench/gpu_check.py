@@ -79,9 +79,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized model, fp32, SDPA (runs anywhere)")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default: 16384; small: 1024)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default: 256; small: 64)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default: 256; small: 128)")
     parser.add_argument("--budget", type=int, default=None, help="K (default: 2048; small: 128)")
-    parser.add_argument("--buffer", type=int, default=64, help="r (default: 64)")
+    parser.add_argument("--buffer", type=int, default=None, help="r (default: 64; small: 16)")
     parser.add_argument("--block", type=int, default=None, help="prefill block B (default: 1024; small: 128)")
     parser.add_argument("--protect", default="sinks", choices=["prompt", "sinks", "none"])
     parser.add_argument("--policies", default="random,valuediff,keydiff", help="compared with full")
@@ -100,7 +100,8 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     kernel = args.kernel or ("sdpa" if args.small else choose_kernel(None, device))
     context = args.context or (1024 if args.small else 16384)
-    new_tokens = args.new_tokens or (64 if args.small else 256)
+    new_tokens = args.new_tokens or (128 if args.small else 256)
+    buffer = args.buffer or (16 if args.small else 64)
     budget = args.budget or (128 if args.small else 2048)
     block = args.block or (128 if args.small else 1024)
 
@@ -109,13 +110,13 @@ def main() -> None:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), kernel "
           f"{kernel}, {dtype}; model {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
           f"{cfg.num_key_value_heads} kv heads, d_head {cfg.head_dim}, hidden {cfg.hidden_size} (built in "
-          f"{lm.load_seconds:.1f} s); context {context}, {new_tokens} new tokens, K={budget}, r={args.buffer}, "
+          f"{lm.load_seconds:.1f} s); context {context}, {new_tokens} new tokens, K={budget}, r={buffer}, "
           f"B={block}, protect {args.protect}, batch {args.batch_size}", flush=True)
     if not args.skip_check:
         print(check_against_sdpa(lm, kernel, args, device), flush=True)
 
     prompt = torch.randint(3, min(cfg.vocab_size, 30000), (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    config = EvictionConfig(budget=budget, buffer=args.buffer, block=block, protect=args.protect)
+    config = EvictionConfig(budget=budget, buffer=buffer, block=block, protect=args.protect)
     rows = []
     for name in ["full"] + [p for p in args.policies.split(",") if p and p != "full"]:
         engine = EvictionEngine(lm, name, config)

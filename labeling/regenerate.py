@@ -198,20 +198,25 @@ def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequ
         raise ValueError(f"all contexts must have one length, got {sorted(lengths)}")
     (length,) = lengths
     model, device = prefix.model, _device(prefix.model)
+    full_attention = not has_sliding_layers(prefix.cache)
     results: list[list[int]] = []
     for first in range(0, len(rows), batch_size):
         batch = rows[first:first + batch_size]
-        s0 = min(batch[0][0], length - 1)  # every row feeds at least one token, which yields its first logits
-        cache = prefix.copy_at(s0, len(batch))
-        inputs = torch.tensor([prefix.ids[s0:start] + list(tail) for start, tail in batch],
-                              dtype=torch.long, device=device)  # [batch, length - s0]
-        if not has_sliding_layers(cache):
+        if full_attention:  # each row prefilled from its own start, no token recomputed
+            starts = [min(start, length - 1) for start, _ in batch]  # feed at least one token for its logits
+            caches = [prefix.copy_at(s, 1) for s in starts]
+            tails = [prefix.ids[s:start] + list(tail) for s, (start, tail) in zip(starts, batch)]
             contexts = [prefix.ids[:start] + list(tail) for start, tail in batch]
-            results.extend(speculative_greedy(model, cache, inputs, contexts, max_new_tokens, stop_ids, reference))
-        elif reference is not None:
-            results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
+            results.extend(speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids, reference))
         else:
-            results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
+            s0 = min(batch[0][0], length - 1)
+            cache = prefix.copy_at(s0, len(batch))
+            inputs = torch.tensor([prefix.ids[s0:start] + list(tail) for start, tail in batch],
+                                  dtype=torch.long, device=device)  # [batch, length - s0]
+            if reference is not None:
+                results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
+            else:
+                results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
         if progress:
             progress(len(batch))
     return results

@@ -1,18 +1,23 @@
-"""Exact greedy decoding of a batch of rows with drafted tokens verified in one forward (speculative decoding
-without a draft model), for caches whose layers all attend to the full past.
+"""Exact greedy decoding of many rows with drafted tokens verified in one forward (speculative decoding without a
+draft model), for models whose cache layers all attend to the full past.
 
 Each step feeds every row its last decided token plus a draft of likely next tokens; the row's own greedy argmax
 at each position accepts the longest agreeing draft prefix and decides one more token, so the output is exactly
 the greedy continuation (up to floating-point summation order). Drafts come from
 
 - the reference continuation, while the row's output still equals its beginning (most occlusions change nothing);
-- otherwise prompt lookup: the tokens that followed the latest earlier occurrence of the row's last n tokens
-  in its own context and output (reasoning text repeats itself).
+- otherwise prompt lookup: the tokens that followed the latest earlier occurrence of the row's last n tokens in
+  its context, the reference continuation and its own output (reasoning text repeats itself).
 
-Rows accept different numbers of tokens, so the batch cache becomes ragged: every row gets the same number of new
-slots per step, and the slots of rejected draft tokens stay in the cache, masked out by a 4D attention mask, while
-explicit position ids keep each row's positions contiguous. Sliding-window layers index their window by slot, not
-position, so models with them must use the other engines (`labeling.regenerate` chooses).
+Each row's draft length adapts: it doubles after a fully accepted draft and drops to what was accepted otherwise,
+so rows whose drafts keep failing stop paying for them.
+
+Rows start separately: each is prefilled from its own cache (only the tokens that differ from the shared prefix)
+together with the first reference draft, then the row caches are stacked into one batch. Rows accept different
+numbers of tokens, so the batch cache is ragged: every row gets the same number of new slots per step, the slots
+of rejected draft tokens stay in the cache masked out by a 4D attention mask, and explicit position ids keep each
+row's positions contiguous. Sliding-window layers index their window by slot, not position, so models with them
+must use the other engines (`labeling.regenerate` chooses).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 LOOKUP_ORDERS = (3, 2, 1)
+_SEPARATOR = -1  # joins lookup corpora; never a token id, so no n-gram spans two corpora and no draft crosses one
 
 
 class NgramLookup:
@@ -47,7 +53,8 @@ class NgramLookup:
         """Up to `k` tokens that followed the longest matching suffix (longest order first); [] if none matches."""
         for n, follow in self._follow.items():
             if len(self.seq) >= n and (start := follow.get(tuple(self.seq[-n:]))) is not None:
-                return self.seq[start:start + k]
+                proposal = self.seq[start:start + k]
+                return proposal[: proposal.index(_SEPARATOR)] if _SEPARATOR in proposal else proposal
         return []
 
 
@@ -55,75 +62,103 @@ def has_sliding_layers(cache: DynamicCache) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
+def _stack(caches: list[DynamicCache]) -> DynamicCache:
+    """One batch cache from single-row caches of equal length (consumes them)."""
+    stacked = caches[0]
+    for index, layer in enumerate(stacked.layers):
+        layer.keys = torch.cat([c.layers[index].keys for c in caches], dim=0)
+        layer.values = torch.cat([c.layers[index].values for c in caches], dim=0)
+    return stacked
+
+
+class _Row:
+    def __init__(self, context: list[int], reference: list[int], draft_len: int):
+        self.out: list[int] = []  # decided tokens; the last one is not yet fed
+        self.lookup = NgramLookup([*context, _SEPARATOR, *reference, _SEPARATOR])
+        self.k = draft_len
+
+
 @torch.no_grad()
-def speculative_greedy(model, cache: DynamicCache, input_ids: torch.Tensor, contexts: Sequence[Sequence[int]],
-                       max_new_tokens: int, stop_ids: Sequence[int], reference: Sequence[int] | None = None,
-                       draft_len: int = 8, reference_draft_len: int = 32) -> list[list[int]]:
-    """Greedy continuations of ``input_ids [batch, L]`` fed after `cache` (every row at one cached length).
+def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Sequence[int]],
+                       contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
+                       reference: Sequence[int] | None = None, draft_len: int = 4,
+                       reference_draft_len: int = 32) -> list[list[int]]:
+    """Greedy continuations of rows: row b feeds ``tails[b]`` after its single-row cache ``caches[b]``.
 
-    `contexts[b]` is row b's whole context (cached prefix and input), the text prompt lookup searches. Returns the
-    new tokens of each row, ending at a stop token (kept) or after `max_new_tokens`. `cache` is consumed.
+    Every ``cached + len(tail)`` must be equal; `contexts[b]` is row b's whole context (what lookup searches).
+    Returns the new tokens of each row, ending at a stop token (kept) or after `max_new_tokens`. Consumes `caches`.
     """
-    if has_sliding_layers(cache):
+    if any(has_sliding_layers(cache) for cache in caches):
         raise ValueError("speculative_greedy needs full-attention cache layers (no sliding window)")
-    batch, device = input_ids.shape[0], input_ids.device
+    device = next(model.parameters()).device
     stops = set(stop_ids)
-    reference = list(reference or [])
+    reference = list(reference or [])[:max_new_tokens]
+    rows = [_Row(list(context), reference, draft_len) for context in contexts]
+
+    def finished(row: _Row) -> bool:
+        return bool(row.out) and (row.out[-1] in stops or len(row.out) >= max_new_tokens)
+
+    def draft(row: _Row) -> list[int]:
+        room = max_new_tokens - len(row.out) - 1  # tokens still to decide after the pending one
+        if row.out == reference[: len(row.out)] and len(reference) > len(row.out):
+            return reference[len(row.out): len(row.out) + min(reference_draft_len, room)]
+        return row.lookup.draft(min(row.k, room))
+
+    def accept(row: _Row, proposal: list[int], predicted: list[int]) -> int:
+        """Decide the agreeing draft prefix and one more token; returns how many draft tokens were accepted."""
+        accepted = 0
+        while accepted < len(proposal) and proposal[accepted] == predicted[accepted]:
+            accepted += 1
+        before = len(row.out)
+        for token in [*proposal[:accepted], predicted[accepted]]:
+            row.out.append(token)
+            if finished(row):
+                break
+        row.lookup.extend(row.out[before:])
+        row.k = min(2 * row.k, reference_draft_len) if proposal and accepted == len(proposal) else max(1, accepted + 1)
+        return accepted
+
+    # Prefill every row from its own start with the reference's first tokens as its first draft.
+    first_draft = reference[:reference_draft_len] if reference else []
+    length = {cache.get_seq_length() + len(tail) for cache, tail in zip(caches, tails)}
+    if len(length) > 1:
+        raise ValueError(f"rows must reach one length, got {sorted(length)}")
+    live, live_caches, valid_rows = [], [], []
+    for index, (cache, tail) in enumerate(zip(caches, tails)):
+        feed = torch.tensor([[*tail, *first_draft]], device=device)
+        logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=len(first_draft) + 1).logits
+        row = rows[index]
+        accepted = accept(row, first_draft, logits[0].argmax(-1).tolist())
+        if not finished(row):
+            live.append(index)
+            live_caches.append(cache)
+            valid_rows.append([True] * (cache.get_seq_length() - len(first_draft) + accepted)
+                              + [False] * (len(first_draft) - accepted))
+    if not live:
+        return [row.out for row in rows]
+    cache = _stack(live_caches)
+    valid = torch.tensor(valid_rows, dtype=torch.bool, device=device)  # [live, slots]
     blocked = torch.finfo(model.dtype).min
-    cached = cache.get_seq_length()
-    logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    outputs = [[token] for token in logits[:, -1].argmax(-1).tolist()]
-    lookups = [NgramLookup(list(context) + out) for context, out in zip(contexts, outputs)]
-    lengths = [cached + input_ids.shape[1]] * batch  # valid slots (= positions fed) per row
-    valid = torch.ones(batch, lengths[0], dtype=torch.bool, device=device)  # [batch, slots]
-    active = list(range(batch))
-
-    def finished(row: int) -> bool:
-        return outputs[row][-1] in stops or len(outputs[row]) >= max_new_tokens
-
-    def drop_finished() -> None:
-        nonlocal active, valid
-        keep = [i for i, row in enumerate(active) if not finished(row)]
-        if len(keep) < len(active):
+    while live:
+        drafts = [draft(rows[index]) for index in live]
+        width = 1 + max(len(d) for d in drafts)
+        inputs = torch.tensor([[rows[index].out[-1], *d, *[0] * (width - 1 - len(d))]  # padding is never accepted
+                               for index, d in zip(live, drafts)], device=device)  # [live, width]
+        positions = valid.sum(1, keepdim=True) + torch.arange(width, device=device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        allowed = torch.cat([valid[:, None, :].expand(-1, width, -1), causal.expand(len(live), -1, -1)], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=model.dtype, device=device).masked_fill(~allowed, blocked)[:, None]
+        predicted = model(input_ids=inputs, position_ids=positions, attention_mask=mask, cache=cache,
+                          use_cache=True).logits.argmax(-1).tolist()  # [live, width]
+        new_valid = torch.zeros(len(live), width, dtype=torch.bool, device=device)
+        for i, (index, d) in enumerate(zip(live, drafts)):
+            new_valid[i, : accept(rows[index], d, predicted[i]) + 1] = True  # the fed token and accepted drafts
+        valid = torch.cat([valid, new_valid], dim=1)
+        keep = [i for i, index in enumerate(live) if not finished(rows[index])]
+        if len(keep) < len(live):
+            live = [live[i] for i in keep]
             if keep:
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
                 valid = valid[index]
-            active = [active[i] for i in keep]
-
-    def draft(row: int) -> list[int]:
-        out, room = outputs[row], max_new_tokens - len(outputs[row])
-        if out == reference[: len(out)] and len(reference) > len(out):
-            return reference[len(out): len(out) + min(reference_draft_len, room)]
-        return lookups[row].draft(min(draft_len, room))
-
-    drop_finished()
-    while active:
-        drafts = [draft(row) for row in active]
-        width = 1 + max(len(d) for d in drafts)
-        pad = outputs[active[0]][-1]  # any id: padded slots are never accepted
-        inputs = torch.tensor([[outputs[row][-1], *d, *[pad] * (width - 1 - len(d))] for row, d in zip(active, drafts)],
-                              device=device)  # [active, width]
-        positions = torch.tensor([lengths[row] for row in active], device=device)[:, None] + torch.arange(width,
-                                                                                                     device=device)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        allowed = torch.cat([valid[:, None, :].expand(-1, width, -1), causal.expand(len(active), -1, -1)], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=model.dtype, device=device).masked_fill(~allowed, blocked)[:, None]
-        predicted = model(input_ids=inputs, position_ids=positions, attention_mask=mask, cache=cache,
-                          use_cache=True).logits.argmax(-1).tolist()  # [active, width]
-        new_valid = torch.zeros(len(active), width, dtype=torch.bool, device=device)
-        for i, (row, d) in enumerate(zip(active, drafts)):
-            accepted = 0
-            while accepted < len(d) and d[accepted] == predicted[i][accepted]:
-                accepted += 1
-            new_valid[i, : accepted + 1] = True  # the fed last token and the accepted draft tokens
-            lengths[row] += accepted + 1
-            before = len(outputs[row])
-            for token in [*d[:accepted], predicted[i][accepted]]:
-                outputs[row].append(token)
-                if finished(row):
-                    break
-            lookups[row].extend(outputs[row][before:])
-        valid = torch.cat([valid, new_valid], dim=1)
-        drop_finished()
-    return outputs
+    return [row.out for row in rows]

@@ -158,7 +158,7 @@ from figures.layer_rho import from_validation_table, plot_layer_rho
 
 rho_table = from_validation_table(layers_table, stat)
 show(plot_layer_rho(rho_table, band_signal=f"{family}.{setup['band_transform']}",
-                    title=f"{model}: {stat}-trace ρ of g_l with occlusion labels"), "layer_rho")'''),
+                    title=f"{model}: {stat}-trace ρ of $g_l$ with occlusion labels"), "layer_rho")'''),
         ("code", '''\
 from figures.raw_vs_z import plot_raw_vs_z
 
@@ -364,6 +364,9 @@ dataset = "math500"  # benchmark whose reference solutions are the filler text
 data_file = None  # problems JSONL instead of the dataset's copy
 batch_size = 8
 n_boot = 4000
+passcode_policies = ["random", "recency", "valuediff"]  # every policy keeps what it likes; full is always added
+passcode_rounds = 4  # eviction rounds that see the passcode before the question
+passcode_n = 8  # passcode instances per policy
 {COMMON_PARAMS}
 out_dir = "runs/notebooks/planted_fact_passcode"'''),
         ("code", SETUP),
@@ -381,13 +384,28 @@ fact[["condition", "heads", "n_heads", "layers", "n", "retrieval", "retrieval_lo
         ("code", '''\
 from figures.head_sets import plot_head_set_retrieval
 
-# The dense run (`full`) evicts nothing, so it belongs to no head set: it stays in the table above.
-evicted = fact[fact["condition"] != "full"]
+# The figure takes head sets of at least one head: the dense run (`full`, no eviction) and `deleted` (no head keeps
+# the fact, the floor) stay in the table above, and the floor goes into the title.
+evicted = fact[fact["n_heads"].fillna(0) >= 1]
+floor = fact.loc[fact["condition"] == "deleted", "retrieval"].iloc[0]
 show(plot_head_set_retrieval(pd.DataFrame({
         "head_set": evicted["condition"], "n_heads": evicted["n_heads"].astype(int),
         "retrieval": evicted["retrieval"], "ci_low": evicted["retrieval_lo"], "ci_high": evicted["retrieval_hi"],
         "recall_R": evicted["R"]}),
-    title=f"{model}: planted fact {distance} rounds back, {policy} elsewhere (K = {budget})"), "head_set_retrieval")'''),
+    title=f"{model}: fact {distance} rounds back, {policy} elsewhere (K = {budget}); no head: {floor:.2f}"),
+    "head_set_retrieval")'''),
+        ("md", "## 2. Passcode: a passcode stated once, every policy keeps what it likes"),
+        ("code", '''\
+passcode_dir = out / "passcode"
+argv = ["--model", model, "--policy", ",".join(passcode_policies), "--rounds", passcode_rounds, "--n", passcode_n,
+        "--budget", budget, "--buffer", buffer, "--lead", lead, "--box", box, "--dataset", dataset,
+        "--batch-size", batch_size, "--n-boot", n_boot, "--threads", torch_threads, "--out", passcode_dir]
+argv += ["--data-file", data_file] if data_file else []
+run("probes.passcode", argv)
+passcode = pd.read_csv(passcode_dir / "summary.csv")
+passcode.to_csv(out / "passcode_table.csv", index=False)
+passcode[["condition", "protection", "fact_rounds", "n", "retrieval", "retrieval_lo", "retrieval_hi", "mean_lp",
+          "lp_lo", "lp_hi", "held"]]'''),
     ]
 
 
@@ -447,9 +465,9 @@ cost.groupby(["policy", "budget"], dropna=False)[["generated", "wall_s", "tokens
         ("code", '''\
 from figures.cost_budget import plot_cost_vs_budget
 
-what = "peak KV cache" if memory == "cache" else "process peak memory"
-show(plot_cost_vs_budget(cost, time=time_column, title=f"{model}: {time_column} and {what} vs budget"),
-     "cost_vs_budget")'''),
+what = {"cache": "peak KV-cache memory", "process": "process peak memory"}[memory]
+speed = {"tokens_per_s": "decode throughput", "wall_s": "wall time per problem"}[time_column]
+show(plot_cost_vs_budget(cost, time=time_column, title=f"{model}: {speed} and {what} vs budget"), "cost_vs_budget")'''),
         ("md", "## 2. Prefill memory vs context length: SDPA vs `output_attentions=True`"),
         ("code", '''\
 from models.loading import load_model

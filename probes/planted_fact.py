@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs
+from evictor.protocol import sequence_budgets
 from models.cli import main_guard, save_config
 from models.errors import UsageError
 from probes._eviction_probe import (
@@ -96,15 +97,15 @@ def parse_head_sets(text: str, n_heads: int, model: str) -> list[HeadSet]:
         elif part == "none":
             heads = ()
         else:
-            heads = []
-            for item in (i.strip() for i in part.split(",")):
+            items = [i.strip() for i in part.split(",")]
+            for item in items:
                 if not item.lstrip("-").isdigit():
                     raise UsageError(f"--heads {text!r}: {item!r} is not a head number, 'all' or 'none'")
-                head = int(item)
-                if not 0 <= head < n_heads:
-                    raise UsageError(f"head {head} out of range: {model} has KV heads 0..{n_heads - 1}")
-                heads.append(head)
-            heads = tuple(sorted(set(heads)))
+            heads = tuple(sorted({int(i) for i in items}))
+            bad = [h for h in heads if not 0 <= h < n_heads]
+            if bad:
+                raise UsageError(f"head{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} out of range: "
+                                 f"{model} has KV heads 0..{n_heads - 1}")
         if part not in (s.label for s in sets):
             sets.append(HeadSet(part, heads))
     return sets
@@ -279,6 +280,11 @@ def _run(argv: list[str] | None) -> int:
     stub = stub_ids(tokenizer)
     layout = protocol_layout(base_layout(tokenizer, script, len(stub), args.lead, args.box), distance, config,
                              probe.protect)
+    budgets, limits = sequence_budgets([args.budget], [len(stub)], probe.protect, config)
+    room = budgets[0] - limits[0] - config.recency
+    if room < args.box:
+        raise UsageError(f"--budget {args.budget} leaves {room} scored slots after the {limits[0]} protected prompt "
+                         f"tokens, fewer than the {args.box}-token fact box to pin; raise --budget")
     builder = InstanceBuilder(tokenizer, script, texts, layout, args.seed, uses_var=True)
     instances = [builder.build(i) for i in range(args.n)]
 

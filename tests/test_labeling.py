@@ -120,13 +120,13 @@ def test_both_draft_engines_with_short_drafts(family):
     lm = tiny_model(family, seed=0, initializer_range=0.1)
     ids, rows, naive = _contexts_and_naive(lm, "pad", max_new=14)
     stops = [lm.tokenizer.eos_token_id]
-    start = rows[0][0]
-    inputs = torch.tensor([ids[start:s] + list(t) for s, t in rows])
-    contexts = [ids[:s] + list(t) for s, t in rows]
     prefix = PrefixCache(lm.model, ids)
-    spec = speculative_greedy(lm.model, prefix.copy_at(start, len(rows)), inputs, contexts, 14, stops,
-                              reference=naive[0], draft_len=2, reference_draft_len=3)
+    start = rows[0][0]
+    spec = speculative_greedy(lm.model, [prefix.copy_at(start, 1) for _ in rows],
+                              [ids[start:s] + list(t) for s, t in rows], [ids[:s] + list(t) for s, t in rows], 14,
+                              stops, reference=naive[0], draft_len=1, reference_draft_len=3)
     assert spec == naive[1:]
+    inputs = torch.tensor([ids[start:s] + list(t) for s, t in rows])
     chunked = greedy_extend_with_draft(lm.model, prefix.copy_at(start, len(rows)), inputs, naive[0], 14, stops,
                                        chunk=3)
     assert chunked == naive[1:]

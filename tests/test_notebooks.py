@@ -60,7 +60,8 @@ def tiny_parameters(name: str, tmp: Path) -> dict:
                 "budgets": [2, 4], "batch_size": 2, "compare": ["valuediff", "random"], "n_boot": 200}
     if name == "planted_fact_passcode":
         return {**common, "head_sets": "0;1", "n": 2, "budget": 96, "buffer": 4, "distance": "1", "lead": 8,
-                "box": 24, "dataset": "gsm8k", "data_file": str(data_file), "batch_size": 2, "n_boot": 100}
+                "box": 24, "dataset": "gsm8k", "data_file": str(data_file), "batch_size": 2, "n_boot": 100,
+                "passcode_policies": ["random"], "passcode_rounds": 1, "passcode_n": 1}
     if name == "speed_memory":
         return {**common, **evict, "limit": 1, "max_new_tokens": 8, "policies": ["recency"], "budgets": [2, 4],
                 "ctx_lengths": [16, 32], "projection_ctx": [1024, 4096, 32768]}
