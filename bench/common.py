@@ -51,6 +51,7 @@ def interleaved(settings: list[str], repeats: int, run: Callable[[str], dict]) -
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Fixed-width table; columns are (key, header, format spec)."""
     widths = [max(len(header), 10) for _, header, _ in columns]
+    widths[0] = max([widths[0]] + [len(str(row.get(columns[0][0], ""))) for row in rows]) - 8
     lines = ["  ".join(f"{header:>{w}}" if i else f"{header:<{w + 8}}" for i, ((_, header, _), w) in
                        enumerate(zip(columns, widths)))]
     for row in rows:

@@ -86,14 +86,16 @@ def _run(argv: list[str] | None) -> int:
             print(f"generated {problem.id}: {len(result.generated_ids)} tokens", file=sys.stderr)
 
     def labeler(method: str) -> OcclusionLabeler:
-        return OcclusionLabeler(lm.model, lm.tokenizer, lambda text: extract_answer(text, args.dataset),
-                                is_equivalent, stop_token_ids(lm.tokenizer, lm.model), window=args.window,
+        return OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer,
+                                answer_of=lambda text: extract_answer(text, args.dataset), same=is_equivalent,
+                                stop_ids=stop_token_ids(lm.tokenizer, lm.model), window=args.window,
                                 stride=args.stride, replacement=resolve_replacement(lm.tokenizer, args.replacement),
                                 max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size, method=method)
 
     naive, fast = labeler("naive"), labeler("fast")
     rows = []
-    print(f"{'trace':<14} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8} {'fast s':>7} {'ratio':>6}  identical")
+    print(f"{'trace':<14} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8} {'fast s':>7} {'ratio':>6}  "
+          "identical")
     for trace in traces:
         timings, results = {}, {}
         for name, engine in (("naive", naive), ("fast", fast)):

@@ -64,7 +64,7 @@ def resolve_replacement(tokenizer, spec: str) -> int | None:
     raise unknown_choice("replacement", spec, (*REPLACEMENTS, "<token id>"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OcclusionLabeler:
     """Labels traces of one model. `answer_of(text)` extracts an answer (None if none); `same(a, b)` compares two."""
 
@@ -73,9 +73,9 @@ class OcclusionLabeler:
     answer_of: Callable[[str], str | None]
     same: Callable[[str, str], bool]
     stop_ids: list[int]
+    replacement: int | None  # filler token id (`resolve_replacement`); None deletes the window
     window: int = 32
     stride: int = 16
-    replacement: int | None = None  # filler token id; None deletes the window
     max_answer_tokens: int = 512
     batch_size: int = 8
     method: str = "fast"
@@ -360,7 +360,8 @@ def _label_all(args, lm, eligible, out, suffix, identity, replacement, shard, an
 
     from models.records import JsonlStore
 
-    labeler = OcclusionLabeler(lm.model, lm.tokenizer, answer_of, same, stop_ids, window=args.window,
+    labeler = OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer, answer_of=answer_of, same=same,
+                               stop_ids=stop_ids, window=args.window,
                                stride=args.stride, replacement=replacement, max_answer_tokens=args.max_answer_tokens,
                                batch_size=args.batch_size, method=args.method)
     plans = {str(t["id"]): labeler.plan(t["prompt_ids"], t["generated_ids"]) for t in eligible}
@@ -394,7 +395,8 @@ def _label_all(args, lm, eligible, out, suffix, identity, replacement, shard, an
                 else:
                     tqdm.write(f"[{record['trace_id']}] skipped: {record['reason']}")
     except KeyboardInterrupt:
-        print(f"\ninterrupted; {len(store.records)} records are saved in {store.path}; rerun the same command to resume",
+        print(f"\ninterrupted; {len(store.records)} records are saved in {store.path}; "
+              "rerun the same command to resume",
               file=sys.stderr)
         return 130
     labelled = [r for r in store.records if r["status"] == "labelled"]

@@ -55,9 +55,8 @@ def run(module, argv):
 
 def show(fig, stem):
     """Save `fig` as PNG + PDF under fig_dir and display the PNG."""
-    paths = save_figure(fig, fig_dir, stem)
-    display(Image(filename=str(paths[0])))
-    return paths'''
+    png, _ = save_figure(fig, fig_dir, stem)
+    display(Image(filename=str(png)))'''
 
 COMMON_PARAMS = '''\
 torch_threads = 1  # torch CPU threads
@@ -276,7 +275,8 @@ def eviction_budgets() -> list[tuple[str, str]]:
 problem with the paired, problem-clustered bootstrap and the exact sign test (Random Attention notes §3.3).
 
 Budgets count the tokens of the generated trace kept per head (`budget_scope="trace"`: the protected prompt and the
-recent buffer come on top), so a budget means the same compression whatever the prompt length."""),
+recent buffer come on top), so a budget means the same compression whatever the prompt length. Every policy runs
+under one protection rule (`protect`, default the whole prompt), so only the ranking of the trace differs."""),
         ("params", f'''\
 model = "smollm2-135m"  # registry name, HF directory, .gguf, hub id, or tiny-<family>
 dataset = "gsm8k"
@@ -388,11 +388,13 @@ from figures.head_sets import plot_head_set_retrieval
 # the fact, the floor) stay in the table above, and the floor goes into the title.
 evicted = fact[fact["n_heads"].fillna(0) >= 1]
 floor = fact.loc[fact["condition"] == "deleted", "retrieval"].iloc[0]
+print(f"fact {distance} rounds back, {policy} eviction elsewhere, K = {budget}, r = {buffer}; "
+      f"retrieval with the fact in no head: {floor:.2f}")
 show(plot_head_set_retrieval(pd.DataFrame({
         "head_set": evicted["condition"], "n_heads": evicted["n_heads"].astype(int),
         "retrieval": evicted["retrieval"], "ci_low": evicted["retrieval_lo"], "ci_high": evicted["retrieval_hi"],
         "recall_R": evicted["R"]}),
-    title=f"{model}: fact {distance} rounds back, {policy} elsewhere (K = {budget}); no head: {floor:.2f}"),
+    title=f"{model}: planted fact"),
     "head_set_retrieval")'''),
         ("md", "## 2. Passcode: a passcode stated once, every policy keeps what it likes"),
         ("code", '''\

@@ -151,7 +151,8 @@ def test_prefix_cache_only_moves_forward(tiny_llama):
 
 def _labeler(lm, method, **kw):
     tok = lm.tokenizer
-    return OcclusionLabeler(lm.model, tok, answer_of=lambda text: text[:4] or None, same=lambda a, b: a == b,
+    return OcclusionLabeler(model=lm.model, tokenizer=tok, answer_of=lambda text: text[:4] or None,
+                            same=lambda a, b: a == b,
                             stop_ids=[tok.eos_token_id], window=8, stride=4, replacement=tok.pad_token_id,
                             max_answer_tokens=8, batch_size=4, method=method, **kw)
 
@@ -175,5 +176,6 @@ def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
 
 def test_labeler_skips_short_spans(tiny_llama):
     tok = tiny_llama.tokenizer
-    record = _labeler(tiny_llama, "fast").label(tok.encode(PROMPT), tok.encode("ok \\boxed{1}", add_special_tokens=False))
+    generated = tok.encode("ok \\boxed{1}", add_special_tokens=False)
+    record = _labeler(tiny_llama, "fast").label(tok.encode(PROMPT), generated)
     assert record["status"] == "skipped" and "reasoning span 3 < window 8" in record["reason"]

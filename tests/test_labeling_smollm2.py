@@ -25,8 +25,10 @@ def one_thread():
 
 
 def _labeler(lm, method, **kw):
-    return OcclusionLabeler(lm.model, lm.tokenizer, lambda text: extract_answer(text, "gsm8k"), is_equivalent,
-                            stop_token_ids(lm.tokenizer, lm.model), method=method, **kw)
+    return OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer,
+                            answer_of=lambda text: extract_answer(text, "gsm8k"),
+                            same=is_equivalent, stop_ids=stop_token_ids(lm.tokenizer, lm.model),
+                            replacement=lm.tokenizer.pad_token_id, method=method, **kw)
 
 
 def test_cli_fast_and_naive_agree_on_a_short_smollm2_trace(tmp_path, smollm2):

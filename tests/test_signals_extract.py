@@ -73,7 +73,8 @@ def test_streaming_equals_teacher_forced_for_every_signal(tiny_eager):
     for signal in SIGNALS:
         for layer, values in forced[signal].items():
             assert streamed[signal][layer].shape == (1, len(forwarded)), signal
-            assert torch.allclose(streamed[signal][layer], values, atol=1e-4, rtol=1e-4, equal_nan=True), (signal, layer)
+            close = torch.allclose(streamed[signal][layer], values, atol=1e-4, rtol=1e-4, equal_nan=True)
+            assert close, (signal, layer)
 
 
 def test_teacher_forced_definitions_on_a_tiny_model(tiny_llama):

@@ -111,7 +111,7 @@ class _LayerAttention:
         self.entropy: list[torch.Tensor] = []
 
     def add(self, probs: torch.Tensor) -> None:
-        """``probs [batch, q_head, new, keys]``: the keys are the last `keys` positions (a sliding layer keeps fewer)."""
+        """``probs [batch, q_head, new, keys]``: the keys are the last `keys` positions (sliding layers keep fewer)."""
         probs = probs.float().mean(1)  # [batch, new, keys]
         batch, new, keys = probs.shape
         self.seen += new
@@ -142,7 +142,8 @@ class SignalStream:
         self._kv_parts: dict[str, dict[int, list[torch.Tensor]]] = {s: {l: [] for l in self.layers}
                                                                     for s in self._kv_wanted}
         self._attention = {layer: _LayerAttention() for layer in self.layers}
-        self._by_name = {hook_name(l, p): (l, p) for l in self.layers for p in ("attn.hook_cache_k", "attn.hook_cache_v")}
+        self._by_name = {hook_name(layer, point): (layer, point) for layer in self.layers
+                         for point in ("attn.hook_cache_k", "attn.hook_cache_v")}
 
     @property
     def hook_names(self) -> list[str]:
@@ -176,7 +177,7 @@ class SignalStream:
             per_head["lag_key_variance"] = kv_scores.head_dim_variance(state.lag_k.add(k))
         if "lag_value_variance" in want:
             per_head["lag_value_variance"] = kv_scores.head_dim_variance(state.lag_v.add(v))
-        if "key_cosine_to_mean" in want:  # each position against its own causal mean: [.., new, 1, d] vs [.., new, 1, d]
+        if "key_cosine_to_mean" in want:  # each position vs its own causal mean: [.., new, 1, d] twice
             anchor = state.mean_k.add(k)
             per_head["key_cosine_to_mean"] = kv_scores.cosine_distance_to_mean(
                 k.float()[..., None, :], ref=anchor[..., None, :])[..., 0]

@@ -170,7 +170,8 @@ class BandScore:
     ``add(g_a[batch, new], g_b[batch, new]) -> [batch, new]``; high scores mark tokens to keep.
     """
 
-    def __init__(self, smoothing: str = "z", window: int = DEFAULT_WINDOW, alpha: float = 0.9, eps: float = DEFAULT_EPS):
+    def __init__(self, smoothing: str = "z", window: int = DEFAULT_WINDOW, alpha: float = 0.9,
+                 eps: float = DEFAULT_EPS):
         self.a = Smoother(smoothing, window, alpha, eps)
         self.b = Smoother(smoothing, window, alpha, eps)
 
