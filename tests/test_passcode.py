@@ -28,10 +28,18 @@ def test_parse_policies():
         parse_policies(" , ", names)
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The CLI runs below pass --threads 1 (oversubscribed threads crawl on a shared CPU); restore torch's setting."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _cli(tmp_path, data_dir, *extra):
     return ["--model", "tiny-gemma3", "--n", "2", "--budget", "128", "--buffer", "8", "--lead", "8", "--box", "24",
-            "--rounds", "2", "--n-boot", "200", "--data-file", os.path.join(data_dir, "math500.jsonl"),
-            "--out", str(tmp_path / "run"), *extra]
+            "--rounds", "2", "--n-boot", "200", "--threads", "1",
+            "--data-file", os.path.join(data_dir, "math500.jsonl"), "--out", str(tmp_path / "run"), *extra]
 
 
 def test_cli_runs_policies_and_adds_one_on_resume(tmp_path, data_dir, capsys):
@@ -81,11 +89,7 @@ def test_smollm2_smoke_recency_loses_what_dense_retrieves(tmp_path, data_dir):
     argv = ["--policy", "recency", "--n", "2", "--budget", "80", "--buffer", "8", "--lead", "8", "--rounds", "2",
             "--threads", "1", "--n-boot", "200", "--data-file", os.path.join(data_dir, "math500.jsonl"),
             "--out", str(tmp_path / "s")]
-    threads = torch.get_num_threads()
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert main(argv) == 0
     rows = {r["condition"]: r for r in json.loads((tmp_path / "s" / "summary.json").read_text())["rows"]}
     # a recency window drops the oldest trace tokens first: two rounds after the passcode no head holds it
     assert rows["recency"]["held"] == 0.0 and rows["full"]["held"] == 1.0
