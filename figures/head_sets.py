@@ -23,13 +23,13 @@ COLUMNS = ("head_set", "n_heads", "retrieval", "ci_low", "ci_high")
 
 
 def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None = None):
-    """Retrieval of a planted fact per head set, as bars with bootstrap intervals, ordered by set size.
+    """Retrieval of a planted fact per head set, as bars with the intervals the probe reports, ordered by set size.
 
     Input columns (one row per head set):
         head_set  str    label of the set of KV heads that keep the fact, e.g. "{2,3}", "h5", "all 3"
         n_heads   int    how many heads are in the set (bar colour; bars are ordered by it, then as given)
         retrieval float  fraction of traces whose decode reproduces the planted value, in [0, 1]
-        ci_low, ci_high  float  bootstrap `ci_level` interval of retrieval
+        ci_low, ci_high  float  `ci_level` interval of retrieval
         recall_R  float  optional: graded recall of the value, drawn as a diamond on each bar
     Returns a Figure with one Axes.
     """
@@ -37,12 +37,12 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
                  finite=("n_heads", "retrieval"))
     df["head_set"] = df["head_set"].astype(str)
     require_unique(df, ("head_set",), FIGURE)
-    if not ((df["n_heads"] >= 1) & (df["n_heads"] == df["n_heads"].round())).all():
-        raise UsageError(f"{FIGURE}: n_heads must be positive integers")
+    if not ((df["n_heads"] >= 0) & (df["n_heads"] == df["n_heads"].round())).all():
+        raise UsageError(f"{FIGURE}: n_heads must be non-negative integers (0 = the fact deleted from every head)")
     df["n_heads"] = df["n_heads"].astype(int)
-    for column in ("retrieval", "ci_low", "ci_high", "recall_R"):
-        if column in df.columns:
-            require_range(df, column, 0.0, 1.0, FIGURE)
+    # Graded recall is a ratio of log-prob gaps and may legitimately leave [0, 1]; retrieval may not.
+    for column in ("retrieval", "ci_low", "ci_high"):
+        require_range(df, column, 0.0, 1.0, FIGURE)
     require_ci(df, "retrieval", FIGURE)
     df["order"] = range(len(df))
     df = df.sort_values(["n_heads", "order"]).reset_index(drop=True)
@@ -65,7 +65,7 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
             above = high if np.isfinite(high) else value
             ax.annotate(f"{value:.2f}", (xi, above), xytext=(0, 3), textcoords="offset points", ha="center",
                         va="bottom", fontsize=9)
-        handles = [Patch(facecolor=colour_of[n], edgecolor="black", label=f"{n} head{'s' if n > 1 else ''}")
+        handles = [Patch(facecolor=colour_of[n], edgecolor="black", label=f"{n} head{'' if n == 1 else 's'}")
                    for n in sizes]
         if has_recall:
             ax.plot(ticks + 0.36, df["recall_R"], linestyle="none", marker="D", markersize=6,
@@ -75,11 +75,13 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
         ax.set_xticks(ticks, df["head_set"], rotation=30 if len(df) > 8 else 0)
         ax.set_xlabel("KV heads holding the planted fact")
         ax.set_ylabel("Retrieval (fraction of traces)")
-        ax.set_ylim(0, 1.12)
+        top = max(1.12, float(df["recall_R"].max()) + 0.1) if has_recall else 1.12
+        bottom = min(0.0, float(df["recall_R"].min()) - 0.05) if has_recall else 0.0
+        ax.set_ylim(bottom, top)
         ax.grid(axis="x", visible=False)
         if title:
             ax.set_title(title)
-        fig.legend(handles=handles, loc="outside right upper", title=f"bars: {ci_level:.0%}\nbootstrap CI")
+        fig.legend(handles=handles, loc="outside right upper", title=f"bars: {ci_level:.0%}\ninterval")
     return fig
 
 
@@ -88,7 +90,7 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return figure_parser(FIGURE, "Planted-fact retrieval per set of KV heads keeping the fact, with bootstrap "
+    return figure_parser(FIGURE, "Planted-fact retrieval per set of KV heads keeping the fact, with "
                          "intervals.", FIGURE, "head_set, n_heads, retrieval, ci_low, ci_high[, recall_R]")
 
 

@@ -17,9 +17,16 @@ Command line::
     python -m labeling.occlusion --traces runs/math500-smollm2-135m/generations.jsonl --shard 0/4
 
 Outputs in ``--out``: ``labels.jsonl`` (``labels.shard-I-of-N.jsonl`` with ``--shard``; combine them with
-``python -m labeling.merge DIR``), one record per trace, appended as each finishes (rerun to resume), and
-``config.json`` (``config.shard-I-of-N.json``), the resolved configuration. Without ``--traces`` the traces are
-generated first with `tasks.run` into ``--out/traces/``.
+``python -m labeling.merge DIR``), one record per trace, appended as each group of ``--traces-per-batch`` traces
+finishes (rerun to resume), and ``config.json`` (``config.shard-I-of-N.json``), the resolved configuration.
+Without ``--traces`` the traces are generated first with `tasks.run` into ``--out/traces/``. Record fields:
+trace_id, dataset, model, correct, trace_answer, gold, status ("labelled" / "skipped" with a reason), n_tokens,
+reasoning_start, answer_start, boundary, and when labelled token_ids, positions (0..answer_start-1), labels,
+reference_answer, reference_text, windows ([{start, end, flipped, answer_before, answer_after}]) and
+important_fraction (over the reasoning span).
+
+`--method naive` re-prefills and decodes every window alone; the default fast method gives the same labels
+(`labeling.regenerate` explains how; `bench/occlusion_speed.py` measures both).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labeling.regenerate import PrefixCache, regenerate_naive, regenerate_shared_prefix
+from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 from labeling.windows import DEFAULT_TAIL, Boundary, find_answer_boundary, occlude, occlusion_windows, position_labels
 from models.cli import main_guard, positive_int, save_config
 from models.errors import UsageError, unknown_choice
@@ -86,25 +93,6 @@ class OcclusionLabeler:
             raise unknown_choice("occlusion method", self.method, METHODS)
         occlusion_windows(0, 0, self.window, self.stride)  # validates window / stride
 
-    def _regenerate(self, context: list[int], reasoning_start: int, rows: list[tuple[int, list[int]]],
-                    trace_answer: list[int], progress) -> tuple[list[int], list[list[int]]]:
-        """The continuation of the unoccluded `context` and of each occluded ``context[:start] + tail`` row.
-
-        The fast method drafts the unoccluded continuation from the trace's own answer span (a greedy trace of this
-        model reproduces it) and every window's from that continuation.
-        """
-        if self.method == "naive":
-            continuations = regenerate_naive(self.model, [context] + [context[:s] + t for s, t in rows],
-                                             self.max_answer_tokens, self.stop_ids, progress)
-            return continuations[0], continuations[1:]
-        prefix = PrefixCache(self.model, context)
-        # Start one token early: deleting a window flush with the span's end makes rows start there minus one.
-        first = max(0, reasoning_start - 1)
-        (reference,) = regenerate_shared_prefix(prefix, [(first, context[first:])], self.max_answer_tokens,
-                                                self.stop_ids, reference=trace_answer, progress=progress)
-        return reference, regenerate_shared_prefix(prefix, rows, self.max_answer_tokens, self.stop_ids,
-                                                   self.batch_size, reference=reference, progress=progress)
-
     def plan(self, prompt_ids: list[int], generated_ids: list[int]) -> tuple[Boundary, list[tuple[int, int]]]:
         """The answer boundary of a trace and the windows occlusion will test (none if the span is too short)."""
         boundary = find_answer_boundary(self.tokenizer, len(prompt_ids), list(generated_ids), self.tail)
@@ -112,55 +100,87 @@ class OcclusionLabeler:
 
     def label(self, prompt_ids: list[int], generated_ids: list[int], progress=None) -> dict[str, Any]:
         """Occlusion labels of one trace (a record without identity fields; see `label_record`)."""
-        ids = list(prompt_ids) + list(generated_ids)
-        reasoning_start = len(prompt_ids)
-        boundary, windows = self.plan(prompt_ids, generated_ids)
-        answer_start = boundary.answer_start
-        base = {"n_tokens": len(ids), "reasoning_start": reasoning_start, "answer_start": answer_start,
-                "boundary": boundary.kind}
-        if not windows:
-            return {**base, "status": "skipped",
-                    "reason": f"reasoning span {answer_start - reasoning_start} < window {self.window}"}
-        context = ids[:answer_start]
-        rows = [(start, occlude(context, start, end, self.replacement)[start:]) for start, end in windows]
-        started = time.perf_counter()
-        reference_tokens, continuations = self._regenerate(context, reasoning_start, rows, ids[answer_start:],
-                                                           progress)
+        return self.label_many([(prompt_ids, generated_ids)], progress)[0]
+
+    def label_many(self, traces: list[tuple[list[int], list[int]]], progress=None) -> list[dict[str, Any]]:
+        """Labels of several ``(prompt_ids, generated_ids)`` traces; the fast method batches their windows together.
+
+        The fast method first regenerates every trace's unoccluded continuation, drafted by the trace's own answer
+        span (a greedy trace of this model reproduces it), then every window's, drafted by that continuation.
+        """
+        plans = [self.plan(prompt, generated) for prompt, generated in traces]
+        jobs = []  # (trace index, ids, reasoning start, answer start, windows)
+        records: list[dict[str, Any] | None] = []
+        for index, ((prompt, generated), (boundary, windows)) in enumerate(zip(traces, plans)):
+            ids, reasoning_start = list(prompt) + list(generated), len(prompt)
+            answer_start = boundary.answer_start
+            records.append({"n_tokens": len(ids), "reasoning_start": reasoning_start, "answer_start": answer_start,
+                            "boundary": boundary.kind})
+            if windows:
+                jobs.append((index, ids, reasoning_start, answer_start, windows))
+            else:
+                records[index].update(status="skipped",
+                                      reason=f"reasoning span {answer_start - reasoning_start} < window {self.window}")
+        if self.method == "naive":
+            for index, ids, reasoning_start, answer_start, windows in jobs:
+                context = ids[:answer_start]
+                contexts = [context] + [occlude(context, s, e, self.replacement) for s, e in windows]
+                continuations = regenerate_naive(self.model, contexts, self.max_answer_tokens, self.stop_ids, progress)
+                self._finish(records[index], ids, windows, continuations[0], continuations[1:])
+            return records
+        prefixes = [PrefixCache(self.model, ids[:answer_start]) for _, ids, _, answer_start, _ in jobs]
+        # References start one token early: deleting a window flush with the span's end makes rows start there - 1.
+        first = [max(0, reasoning_start - 1) for _, _, reasoning_start, _, _ in jobs]
+        references = regenerate_rows(
+            [Row(prefix, f, tuple(ids[f:answer_start]), tuple(ids[answer_start:]))
+             for prefix, f, (_, ids, _, answer_start, _) in zip(prefixes, first, jobs)],
+            self.max_answer_tokens, self.stop_ids, self.batch_size, progress)
+        rows = [Row(prefix, s, tuple(occlude(ids[:answer_start], s, e, self.replacement)[s:]), tuple(reference))
+                for prefix, reference, (_, ids, _, answer_start, windows) in zip(prefixes, references, jobs)
+                for s, e in windows]
+        continuations = iter(regenerate_rows(rows, self.max_answer_tokens, self.stop_ids, self.batch_size, progress))
+        for reference, (index, ids, _, _, windows) in zip(references, jobs):
+            self._finish(records[index], ids, windows, reference, [next(continuations) for _ in windows])
+        return records
+
+    def _finish(self, record: dict[str, Any], ids: list[int], windows: list[tuple[int, int]],
+                reference_tokens: list[int], continuations: list[list[int]]) -> None:
+        """Fill a trace's record from the regenerated continuations: answers, flips, labels."""
         texts = [self.tokenizer.decode(tokens, skip_special_tokens=True)
                  for tokens in [reference_tokens, *continuations]]
         answers = [self.answer_of(text) for text in texts]
         reference = answers[0]
         if reference is None:
-            return {**base, "status": "skipped", "reason": "no answer extracted from the unoccluded regeneration",
-                    "reference_text": texts[0]}
+            record.update(status="skipped", reason="no answer extracted from the unoccluded regeneration",
+                          reference_text=texts[0])
+            return
         verdicts: dict[str | None, bool] = {}  # answers repeat across windows; compare each distinct one once
         for answer in answers[1:]:
             if answer not in verdicts:
                 verdicts[answer] = answer is None or not (answer == reference or self.same(answer, reference))
         flips = [verdicts[a] for a in answers[1:]]
+        reasoning_start, answer_start = record["reasoning_start"], record["answer_start"]
         labels = position_labels(reasoning_start, answer_start, windows, flips)
         reasoning = labels[reasoning_start:]
-        return {
-            **base,
-            "status": "labelled",
-            "token_ids": ids,
-            "positions": list(range(answer_start)),
-            "labels": labels,
-            "reference_answer": reference,
-            "reference_text": texts[0],
-            "windows": [{"start": s, "end": e, "flipped": f, "answer_before": reference, "answer_after": a}
-                        for (s, e), f, a in zip(windows, flips, answers[1:])],
-            "important_fraction": sum(reasoning) / len(reasoning),
-            "seconds": round(time.perf_counter() - started, 3),
-        }
+        record.update(
+            status="labelled",
+            token_ids=ids,
+            positions=list(range(answer_start)),
+            labels=labels,
+            reference_answer=reference,
+            reference_text=texts[0],
+            windows=[{"start": s, "end": e, "flipped": f, "answer_before": reference, "answer_after": a}
+                     for (s, e), f, a in zip(windows, flips, answers[1:])],
+            important_fraction=sum(reasoning) / len(reasoning),
+        )
 
 
-def label_record(labeler: OcclusionLabeler, trace: dict[str, Any], progress=None) -> dict[str, Any]:
-    """Label a `tasks.run`-style trace record ({id, prompt_ids, generated_ids, answer, correct, ...})."""
-    result = labeler.label(trace["prompt_ids"], trace["generated_ids"], progress)
-    return {"trace_id": str(trace["id"]), "dataset": trace.get("dataset"), "model": trace.get("model"),
-            "correct": trace.get("correct"), "trace_answer": trace.get("answer"), "gold": trace.get("gold"),
-            **result}
+def label_records(labeler: OcclusionLabeler, traces: list[dict[str, Any]], progress=None) -> list[dict[str, Any]]:
+    """Label `tasks.run`-style trace records ({id, prompt_ids, generated_ids, answer, correct, ...}) together."""
+    results = labeler.label_many([(t["prompt_ids"], t["generated_ids"]) for t in traces], progress)
+    return [{"trace_id": str(t["id"]), "dataset": t.get("dataset"), "model": t.get("model"),
+             "correct": t.get("correct"), "trace_answer": t.get("answer"), "gold": t.get("gold"), **result}
+            for t, result in zip(traces, results)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="greedy regeneration length limit per window (default 512)")
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="windows regenerated together by the fast method (default 8; memory grows with it)")
+    parser.add_argument("--traces-per-batch", type=positive_int, default=4,
+                        help="traces labelled together (fast method: their windows share batches; default 4); "
+                        "records are written when a group finishes")
     parser.add_argument("--method", default="fast", choices=METHODS,
                         help="fast (shared prefix cache, batched windows; default) or naive (re-prefill every "
                         "window); both give the same labels")
@@ -371,7 +394,8 @@ def _label_all(args, lm, eligible, out, suffix, identity, replacement, shard, an
                          "tokens); use a smaller --window")
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, {**identity, "shard": args.shard, "n_traces": len(eligible), "replacement_id": replacement,
-                      "batch_size": args.batch_size, "method": args.method, "device": args.device,
+                      "batch_size": args.batch_size, "traces_per_batch": args.traces_per_batch,
+                      "method": args.method, "device": args.device,
                       "loaded_model": lm.describe(), "boundary": "first </think>, else last \\boxed{, else final "
                       f"{DEFAULT_TAIL} tokens", "reference": "answer regenerated from the unoccluded context"},
                 name=f"config{suffix}.json")
@@ -382,18 +406,22 @@ def _label_all(args, lm, eligible, out, suffix, identity, replacement, shard, an
     try:
         with tqdm(total=len(eligible), initial=len(eligible) - len(todo), desc="traces", unit="trace",
                   file=sys.stderr) as bar:
-            for trace in todo:
-                n_contexts = len(plans[str(trace["id"])][1]) + 1  # the windows and the unoccluded reference
-                with tqdm(total=n_contexts, desc=f"{trace['id']}"[:24], unit="ctx", leave=False,
-                          file=sys.stderr) as inner:
-                    record = label_record(labeler, trace, inner.update)
-                store.append(record)
-                bar.update(1)
-                if record["status"] == "labelled":
-                    tqdm.write(f"[{record['trace_id']}] {len(record['windows'])} windows, important fraction "
-                               f"{record['important_fraction']:.2f} ({record['seconds']:.1f} s)")
-                else:
-                    tqdm.write(f"[{record['trace_id']}] skipped: {record['reason']}")
+            for first in range(0, len(todo), args.traces_per_batch):
+                group = todo[first:first + args.traces_per_batch]
+                # the windows and the unoccluded reference of each trace
+                n_contexts = sum(len(plans[str(t["id"])][1]) + 1 for t in group if plans[str(t["id"])][1])
+                started = time.perf_counter()
+                with tqdm(total=n_contexts, desc="contexts", unit="ctx", leave=False, file=sys.stderr) as inner:
+                    records = label_records(labeler, group, inner.update)
+                for record in records:
+                    store.append(record)
+                    if record["status"] == "labelled":
+                        tqdm.write(f"[{record['trace_id']}] {len(record['windows'])} windows, important fraction "
+                                   f"{record['important_fraction']:.2f}")
+                    else:
+                        tqdm.write(f"[{record['trace_id']}] skipped: {record['reason']}")
+                tqdm.write(f"{len(group)} traces in {time.perf_counter() - started:.1f} s")
+                bar.update(len(group))
     except KeyboardInterrupt:
         print(f"\ninterrupted; {len(store.records)} records are saved in {store.path}; "
               "rerun the same command to resume",

@@ -1,19 +1,19 @@
-"""Greedy answer regeneration from many occluded copies of one context: the naive way and the fast way.
+"""Greedy answer regeneration from many occluded copies of a context: the naive way and the fast way.
 
 Every occluded context of a trace is ``ids[:s] + filler + ids[e:answer_start]`` for a window ``[s, e)``; the part
-before the window is the trace's own prefix. Both engines return the greedy continuation of each context, stopping
+before the window is the trace's own prefix. Both ways return the greedy continuation of each context, stopping
 at a stop token (kept in the output) or after `max_new_tokens`.
 
 - `regenerate_naive`: one from-scratch prefill and token-by-token decode per context: the reference the fast
-  engine must match.
-- `regenerate_shared_prefix`, three savings, none of which changes what greedy decoding computes:
+  way must match.
+- `regenerate_rows`, three savings, none of which changes what greedy decoding computes:
 
-  1. Prefix reuse (`PrefixCache`). Windows are processed in order of start. One base cache holds the trace's prefix
-     and is only ever extended, never recomputed; each batch deep-copies it at its first window's start. Copying,
-     not cropping a full-context cache, keeps sliding-window layers (which store only their last window) correct.
-  2. Batching. A batch's rows start at the same position and, as all windows have one size, have the same length,
-     so they share one forward with no padding or mask and decode at the same positions; a finished row leaves the
-     batch.
+  1. Prefix reuse (`PrefixCache`). Windows are processed in order of start. One cache per trace holds its prefix
+     and is only ever extended, never recomputed; each row deep-copies it at its window's start and feeds only
+     the rest. Copying, not cropping a full-context cache, keeps sliding-window layers (which store only their
+     last window) correct.
+  2. Batching. Rows (of one trace or, for full-attention models, of several) decode together; a finished row
+     leaves the batch.
   3. Drafts verified, not decoded. Most windows do not change the continuation, so each row is fed likely next
      tokens and checked against its own greedy argmax at each position, as in speculative decoding: an agreeing
      draft costs one forward instead of one decode step per token. The unoccluded continuation drafts every window;
@@ -23,14 +23,16 @@ at a stop token (kept in the output) or after `max_new_tokens`.
      of the reference, then plain decoding from the batch's earliest divergence; sliding layers record their past
      until the cache is cropped back to it).
 
-The engines differ only in floating-point summation order (chunked prefix, batched and multi-token forwards), so in
-fp32 their greedy continuations agree except at exact near-ties of the top two logits; labels compare answers.
+The two ways differ only in floating-point summation order (chunked prefix, batched, padded and multi-token
+forwards), so in fp32 their greedy continuations agree except at exact near-ties of the top two logits; labels
+compare extracted answers.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -179,44 +181,64 @@ class PrefixCache:
         return cache
 
 
-def regenerate_shared_prefix(prefix: PrefixCache, rows: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
-                             stop_ids: Sequence[int], batch_size: int = 8, reference: Sequence[int] | None = None,
-                             progress: Progress = None) -> list[list[int]]:
-    """The greedy continuation of each context ``prefix.ids[:start] + tail`` for ``(start, tail)`` in `rows`.
+@dataclass(frozen=True)
+class Row:
+    """A context to continue, ``prefix.ids[:start] + tail``, expected (not trusted) to continue like `reference`."""
 
-    `rows` must be sorted by start (not before an earlier call's last batch start) and all contexts must have the
-    same length. `reference` is the continuation most rows are expected to produce (used as a draft, never
-    trusted). Full-attention models decode with `speculative_greedy`; models with sliding-window layers verify
-    `reference` with `greedy_extend_with_draft`. Returns continuations in the order of `rows`.
+    prefix: PrefixCache
+    start: int
+    tail: tuple[int, ...]
+    reference: tuple[int, ...] | None = None
+
+    @property
+    def length(self) -> int:
+        return self.start + len(self.tail)
+
+
+def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 8,
+                    progress: Progress = None) -> list[list[int]]:
+    """The greedy continuation of each row, in order. Rows may come from several traces (prefixes); each prefix's
+    rows must be in nondecreasing start order, and no start may precede one already served by its prefix.
+
+    Full-attention models: rows from any traces share `speculative_greedy` batches of `batch_size`. Models with
+    sliding-window layers: consecutive rows with one prefix, one context length and one reference share a batch,
+    from their first start, verified with `greedy_extend_with_draft` (or decoded with `greedy_extend`).
     """
-    if not rows:
-        return []
-    if any(b[0] < a[0] for a, b in zip(rows, rows[1:])):
-        raise ValueError("rows must be sorted by start")
-    lengths = {start + len(tail) for start, tail in rows}
-    if len(lengths) > 1:
-        raise ValueError(f"all contexts must have one length, got {sorted(lengths)}")
-    (length,) = lengths
-    model, device = prefix.model, _device(prefix.model)
-    full_attention = not has_sliding_layers(prefix.cache)
     results: list[list[int]] = []
-    for first in range(0, len(rows), batch_size):
-        batch = rows[first:first + batch_size]
-        if full_attention:  # each row prefilled from its own start, no token recomputed
-            starts = [min(start, length - 1) for start, _ in batch]  # feed at least one token for its logits
-            caches = [prefix.copy_at(s, 1) for s in starts]
-            tails = [prefix.ids[s:start] + list(tail) for s, (start, tail) in zip(starts, batch)]
-            contexts = [prefix.ids[:start] + list(tail) for start, tail in batch]
-            results.extend(speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids, reference))
+    if not rows:
+        return results
+    model = rows[0].prefix.model
+    if not any(has_sliding_layers(row.prefix.cache) for row in rows):
+        for first in range(0, len(rows), batch_size):
+            batch = rows[first:first + batch_size]
+            starts = [min(row.start, row.length - 1) for row in batch]  # feed at least one token for its logits
+            caches = [row.prefix.copy_at(s, 1) for s, row in zip(starts, batch)]
+            tails = [row.prefix.ids[s:row.start] + list(row.tail) for s, row in zip(starts, batch)]
+            contexts = [row.prefix.ids[:row.start] + list(row.tail) for row in batch]
+            results.extend(speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids,
+                                              [row.reference for row in batch]))
+            if progress:
+                progress(len(batch))
+        return results
+    device = _device(model)
+    first = 0
+    while first < len(rows):
+        key = (id(rows[first].prefix), rows[first].length, rows[first].reference)
+        batch = [rows[first]]
+        while (first + len(batch) < len(rows) and len(batch) < batch_size
+               and (id(rows[first + len(batch)].prefix), rows[first + len(batch)].length,
+                    rows[first + len(batch)].reference) == key):
+            batch.append(rows[first + len(batch)])
+        prefix, reference = batch[0].prefix, batch[0].reference
+        s0 = min(batch[0].start, batch[0].length - 1)
+        cache = prefix.copy_at(s0, len(batch))
+        inputs = torch.tensor([prefix.ids[s0:row.start] + list(row.tail) for row in batch],
+                              dtype=torch.long, device=device)  # [batch, length - s0]
+        if reference is not None:
+            results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
         else:
-            s0 = min(batch[0][0], length - 1)
-            cache = prefix.copy_at(s0, len(batch))
-            inputs = torch.tensor([prefix.ids[s0:start] + list(tail) for start, tail in batch],
-                                  dtype=torch.long, device=device)  # [batch, length - s0]
-            if reference is not None:
-                results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
-            else:
-                results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
+            results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
         if progress:
             progress(len(batch))
+        first += len(batch)
     return results

@@ -12,12 +12,13 @@ the greedy continuation (up to floating-point summation order). Drafts come from
 Each row's draft length adapts: it doubles after a fully accepted draft and drops to what was accepted otherwise,
 so rows whose drafts keep failing stop paying for them.
 
-Rows start separately: each is prefilled from its own cache (only the tokens that differ from the shared prefix)
-together with the first reference draft, then the row caches are stacked into one batch. Rows accept different
-numbers of tokens, so the batch cache is ragged: every row gets the same number of new slots per step, the slots
-of rejected draft tokens stay in the cache masked out by a 4D attention mask, and explicit position ids keep each
-row's positions contiguous. Sliding-window layers index their window by slot, not position, so models with them
-must use the other engines (`labeling.regenerate` chooses).
+Rows start separately: each is prefilled from its own cache (only the tokens that differ from its trace's shared
+prefix) together with its reference's first tokens as a draft, then the row caches are stacked into one batch,
+whatever trace each row comes from. Rows have different lengths and accept different numbers of tokens, so the
+batch cache is ragged: short rows are padded, every row gets the same number of new slots per step, padding and
+the slots of rejected draft tokens stay in the cache masked out by a 4D attention mask, and explicit position
+ids keep each row's positions contiguous. Sliding-window layers index their window by slot, not position, so
+models with them must use the other engines (`labeling.regenerate` chooses).
 """
 
 from __future__ import annotations
@@ -63,17 +64,22 @@ def has_sliding_layers(cache: DynamicCache) -> bool:
 
 
 def _stack(caches: list[DynamicCache]) -> DynamicCache:
-    """One batch cache from single-row caches of equal length (consumes them)."""
+    """One batch cache from single-row caches (consumes them); shorter rows are padded on the right with zeros,
+    which the caller masks out."""
+    slots = max(cache.get_seq_length() for cache in caches)
     stacked = caches[0]
     for index, layer in enumerate(stacked.layers):
-        layer.keys = torch.cat([c.layers[index].keys for c in caches], dim=0)
-        layer.values = torch.cat([c.layers[index].values for c in caches], dim=0)
+        for name in ("keys", "values"):
+            parts = [getattr(c.layers[index], name) for c in caches]  # [1, kv_head, own slots, d_head]
+            parts = [torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2])) for t in parts]
+            setattr(layer, name, torch.cat(parts, dim=0))
     return stacked
 
 
 class _Row:
     def __init__(self, context: list[int], reference: list[int], draft_len: int):
         self.out: list[int] = []  # decided tokens; the last one is not yet fed
+        self.reference = reference
         self.lookup = NgramLookup([*context, _SEPARATOR, *reference, _SEPARATOR])
         self.k = draft_len
 
@@ -81,27 +87,30 @@ class _Row:
 @torch.no_grad()
 def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Sequence[int]],
                        contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
-                       reference: Sequence[int] | None = None, draft_len: int = 4,
+                       references: Sequence[Sequence[int] | None] | None = None, draft_len: int = 4,
                        reference_draft_len: int = 32) -> list[list[int]]:
     """Greedy continuations of rows: row b feeds ``tails[b]`` after its single-row cache ``caches[b]``.
 
-    Every ``cached + len(tail)`` must be equal; `contexts[b]` is row b's whole context (what lookup searches).
+    Rows may come from different traces and have different lengths. `contexts[b]` is row b's whole context
+    (cached prefix and tail, what lookup searches); `references[b]` its expected continuation (a draft, or None).
     Returns the new tokens of each row, ending at a stop token (kept) or after `max_new_tokens`. Consumes `caches`.
     """
     if any(has_sliding_layers(cache) for cache in caches):
         raise ValueError("speculative_greedy needs full-attention cache layers (no sliding window)")
     device = next(model.parameters()).device
     stops = set(stop_ids)
-    reference = list(reference or [])[:max_new_tokens]
-    rows = [_Row(list(context), reference, draft_len) for context in contexts]
+    references = references if references is not None else [None] * len(caches)
+    rows = [_Row(list(context), list(reference or [])[:max_new_tokens], draft_len)
+            for context, reference in zip(contexts, references)]
 
     def finished(row: _Row) -> bool:
         return bool(row.out) and (row.out[-1] in stops or len(row.out) >= max_new_tokens)
 
     def draft(row: _Row) -> list[int]:
-        room = max_new_tokens - len(row.out) - 1  # tokens still to decide after the pending one
-        if row.out == reference[: len(row.out)] and len(reference) > len(row.out):
-            return reference[len(row.out): len(row.out) + min(reference_draft_len, room)]
+        out, reference = row.out, row.reference
+        room = max_new_tokens - len(out) - 1  # tokens still to decide after the pending one
+        if out == reference[: len(out)] and len(reference) > len(out):
+            return reference[len(out): len(out) + min(reference_draft_len, room)]
         return row.lookup.draft(min(row.k, room))
 
     def accept(row: _Row, proposal: list[int], predicted: list[int]) -> int:
@@ -118,16 +127,13 @@ def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Se
         row.k = min(2 * row.k, reference_draft_len) if proposal and accepted == len(proposal) else max(1, accepted + 1)
         return accepted
 
-    # Prefill every row from its own start with the reference's first tokens as its first draft.
-    first_draft = reference[:reference_draft_len] if reference else []
-    length = {cache.get_seq_length() + len(tail) for cache, tail in zip(caches, tails)}
-    if len(length) > 1:
-        raise ValueError(f"rows must reach one length, got {sorted(length)}")
+    # Prefill every row from its own start with its reference's first tokens as its first draft.
     live, live_caches, valid_rows = [], [], []
     for index, (cache, tail) in enumerate(zip(caches, tails)):
+        row = rows[index]
+        first_draft = row.reference[:reference_draft_len]
         feed = torch.tensor([[*tail, *first_draft]], device=device)
         logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=len(first_draft) + 1).logits
-        row = rows[index]
         accepted = accept(row, first_draft, logits[0].argmax(-1).tolist())
         if not finished(row):
             live.append(index)
@@ -137,7 +143,9 @@ def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Se
     if not live:
         return [row.out for row in rows]
     cache = _stack(live_caches)
-    valid = torch.tensor(valid_rows, dtype=torch.bool, device=device)  # [live, slots]
+    slots = max(len(v) for v in valid_rows)
+    valid = torch.tensor([v + [False] * (slots - len(v)) for v in valid_rows], dtype=torch.bool,
+                         device=device)  # [live, slots]
     blocked = torch.finfo(model.dtype).min
     while live:
         drafts = [draft(rows[index]) for index in live]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labeling.occlusion import OcclusionLabeler, resolve_replacement
-from labeling.regenerate import PrefixCache, greedy_extend_with_draft, regenerate_naive, regenerate_shared_prefix
+from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
 from labeling.speculative import NgramLookup, speculative_greedy
 from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
 from models.errors import UsageError
@@ -105,8 +105,8 @@ def test_fast_engine_reproduces_naive_continuations(chaotic_tiny, replacement):
     stops = [chaotic_tiny.tokenizer.eos_token_id]
     prefix = PrefixCache(chaotic_tiny.model, ids)
     # The reference row's draft is an unfinished prefix of its continuation (a trace cut short), then open decoding.
-    (reference,) = regenerate_shared_prefix(prefix, [(15, ids[15:])], 10, stops, reference=naive[0][:4])
-    fast = regenerate_shared_prefix(prefix, rows, 10, stops, batch_size=3, reference=reference)
+    (reference,) = regenerate_rows([Row(prefix, 15, tuple(ids[15:]), tuple(naive[0][:4]))], 10, stops)
+    fast = regenerate_rows([Row(prefix, s, tuple(t), tuple(reference)) for s, t in rows], 10, stops, batch_size=3)
     assert reference == naive[0]
     assert fast == naive[1:]
     if replacement == "pad":  # the case really mixes agreeing and diverging windows
@@ -124,7 +124,7 @@ def test_both_draft_engines_with_short_drafts(family):
     start = rows[0][0]
     spec = speculative_greedy(lm.model, [prefix.copy_at(start, 1) for _ in rows],
                               [ids[start:s] + list(t) for s, t in rows], [ids[:s] + list(t) for s, t in rows], 14,
-                              stops, reference=naive[0], draft_len=1, reference_draft_len=3)
+                              stops, references=[naive[0]] * len(rows), draft_len=1, reference_draft_len=3)
     assert spec == naive[1:]
     inputs = torch.tensor([ids[start:s] + list(t) for s, t in rows])
     chunked = greedy_extend_with_draft(lm.model, prefix.copy_at(start, len(rows)), inputs, naive[0], 14, stops,
@@ -151,10 +151,10 @@ def test_prefix_cache_only_moves_forward(tiny_llama):
 
 def _labeler(lm, method, **kw):
     tok = lm.tokenizer
+    settings = {"window": 8, "stride": 4, "replacement": tok.pad_token_id, "max_answer_tokens": 8, "batch_size": 4,
+                **kw}
     return OcclusionLabeler(model=lm.model, tokenizer=tok, answer_of=lambda text: text[:4] or None,
-                            same=lambda a, b: a == b,
-                            stop_ids=[tok.eos_token_id], window=8, stride=4, replacement=tok.pad_token_id,
-                            max_answer_tokens=8, batch_size=4, method=method, **kw)
+                            same=lambda a, b: a == b, stop_ids=[tok.eos_token_id], method=method, **settings)
 
 
 def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
@@ -172,6 +172,19 @@ def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
     windows = fast["windows"]
     flipped = {p for w in windows if w["flipped"] for p in range(w["start"], w["end"])}
     assert [i for i, v in enumerate(fast["labels"]) if v and i >= len(prompt)] == sorted(flipped)
+
+
+def test_traces_labelled_together_equal_each_labelled_naively(chaotic_tiny):
+    """Windows of traces of different lengths share batches (ragged rows); a too-short trace is skipped in place."""
+    tok = chaotic_tiny.tokenizer
+    prompt = tok.encode(PROMPT)
+    traces = [(prompt, tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False)),
+              (prompt, tok.encode("ok \\boxed{1}", add_special_tokens=False)),
+              (prompt, tok.encode(REASONING[:50] + " \\boxed{7}", add_special_tokens=False))]
+    together = _labeler(chaotic_tiny, "fast", batch_size=16).label_many(traces)
+    alone = [_labeler(chaotic_tiny, "naive").label(p, g) for p, g in traces]
+    assert [r["status"] for r in together] == ["labelled", "skipped", "labelled"]
+    assert together == alone
 
 
 def test_labeler_skips_short_spans(tiny_llama):

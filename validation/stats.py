@@ -138,7 +138,8 @@ def wilson_interval(successes: float, n: int, level: float = 0.95) -> tuple[floa
     denom = 1.0 + z * z / n
     center = (p + z * z / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return float(max(0.0, center - half)), float(min(1.0, center + half))
+    # Clamped to contain p: at p = 0 or 1 rounding can leave the bound a hair on the wrong side of the estimate.
+    return float(min(p, max(0.0, center - half))), float(max(p, min(1.0, center + half)))
 
 
 class RunningMoments:
