@@ -122,10 +122,10 @@ def _narrative(variant: int) -> Iterator[Piece]:
 
 def _qa(variant: int) -> Iterator[Piece]:
     problems = load_problems("gsm8k")
-    pieces = [
-        (f"gsm8k {p.id}", f"Question: {p.question}\nAnswer: {re.sub(r'<<[^>]*>>', '', p.meta.get('solution', p.answer))}")
-        for p in problems
-    ]
+    def solution(problem) -> str:
+        return re.sub(r"<<[^>]*>>", "", problem.meta.get("solution", problem.answer))
+
+    pieces = [(f"gsm8k {p.id}", f"Question: {p.question}\nAnswer: {solution(p)}") for p in problems]
     return _rotated(pieces, variant, 97)
 
 
@@ -180,7 +180,8 @@ def _retrieval_pairs(style: int, rng: random.Random) -> Iterator[tuple[str, str]
         )
     if style == 2:
         # Only the interpreter's own builtins: IPython and others add names that would change the prompt.
-        own = [name for name in sorted(vars(builtins)) if getattr(vars(builtins)[name], "__module__", None) == "builtins"]
+        table = vars(builtins)
+        own = [name for name in sorted(table) if getattr(table[name], "__module__", None) == "builtins"]
         docs = [(name, inspect.getdoc(getattr(builtins, name)) or "") for name in own if not name.startswith("_")]
         docs = [(name, doc.splitlines()[0]) for name, doc in docs if doc.strip()]
         return ((f"{name}#{turn}", doc) for turn in itertools.count(1) for name, doc in docs)

@@ -83,8 +83,8 @@ def jaccard_stability(scores: torch.Tensor, positions: torch.Tensor, k: int, win
     query rows at ``positions`` (``[n]``, strictly increasing), over all key positions. For a pair (t_i, t_j) the two
     top-k sets are taken over the keys both queries can see and that precede both, i.e. the shared prefix
     ``[0, min(t_i, t_j))``; in a sliding-window layer the range also starts at ``max(t_i, t_j) - window + 1``.
-    ``J = |A ∩ B| / |A ∪ B| = |A ∩ B| / (2k - |A ∩ B|)``; pairs whose shared range holds fewer than k keys have no
-    defined J and are skipped. Returns ``s[h, i] = mean_{j != i} J(t_i, t_j)`` over the defined pairs, NaN where a
+    ``J = |A ∩ B| / |A ∪ B| = |A ∩ B| / (2k - |A ∩ B|)``; pairs whose shared range holds fewer than k keys have
+    no defined J and are skipped. Returns ``s[h, i] = mean_{j != i} J(t_i, t_j)`` over the defined pairs, NaN where a
     query has none. Ties at the k-th value (measure zero for real logits) are broken arbitrarily.
     """
     if window is None or window > int(positions[-1]):  # the window never cuts a shared prefix
@@ -98,7 +98,7 @@ def jaccard_stability(scores: torch.Tensor, positions: torch.Tensor, k: int, win
 
 
 def prefix_kth_largest(rows: torch.Tensor, ends: torch.Tensor, k: int) -> torch.Tensor:
-    """``out[r, i]`` = the k-th largest of ``rows[r, :ends[i]]``, for ``rows`` ``[R, T]`` and increasing ``ends`` ``[n]``.
+    """``out[r, i]`` = the k-th largest of ``rows[r, :ends[i]]``; ``rows`` ``[R, T]``, increasing ``ends`` ``[n]``.
 
     One sort per row instead of one top-k per (row, prefix): after sorting, a count table over (prefix, block of
     ~sqrt(T) sorted positions) locates the block holding the k-th member of each prefix, and a scan inside that block

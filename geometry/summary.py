@@ -116,6 +116,9 @@ def _scope_stats(means: dict[str, np.ndarray], weights: dict[str, list], layers:
     def mean(name: str) -> float:
         return float(means[name][layers].mean())
 
+    def weight(name: str) -> float:
+        return float(np.mean(np.asarray(weights[name])[layers]))
+
     jaccard = means["jaccard"][layers]
     return {
         "sink_rate": mean("sink"),
@@ -124,7 +127,7 @@ def _scope_stats(means: dict[str, np.ndarray], weights: dict[str, list], layers:
         "sigma_ratio": mean("sigma_v") / mean("sigma_k"),
         "alpha_bos": mean("alpha_bos"),
         "bos_cos": mean("bos_cos"),
-        "weight_ratio": float(np.mean(np.asarray(weights["w_v"])[layers]) / np.mean(np.asarray(weights["w_k"])[layers])),
+        "weight_ratio": weight("w_v") / weight("w_k"),
         "sigma1_ratio": mean("sigma1_v") / mean("sigma1_k"),
         "jaccard": float(np.nanmean(jaccard)) if (~np.isnan(jaccard)).any() else np.nan,
     }

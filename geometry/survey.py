@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keys used for sigma_K, BOS cosine and sigma_1(K): post_rope = what the KV cache stores "
                              "(default), pre_rope = the k projection before rotary embedding")
     parser.add_argument("--chunk", type=positive_int, default=256,
-                        help="query rows per attention block; peak memory is q_heads x chunk x ctx floats (default 256)")
+                        help="query rows per attention block; peak memory ~ q_heads x chunk x ctx floats (default 256)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16 or float16 (default float32)")
+    parser.add_argument("--dtype", default="float32",
+                        help="model dtype: float32, bfloat16 or float16 (default float32)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with "
                              "other jobs, where extra threads mostly wait on each other")
