@@ -129,8 +129,11 @@ class OcclusionLabeler:
                 self._finish(records[index], ids, windows, continuations[0], continuations[1:])
             return records
         prefixes = [PrefixCache(self.model, ids[:answer_start]) for _, ids, _, answer_start, _ in jobs]
-        # References start one token early: deleting a window flush with the span's end makes rows start there - 1.
-        first = [max(0, reasoning_start - 1) for _, _, reasoning_start, _, _ in jobs]
+        # The reference feeds the least it can: its last token after a full-attention prefix; with sliding layers
+        # the prefix cache cannot go back, so it starts one token before the first window (deleting a window flush
+        # with the span's end makes rows start there).
+        first = [answer_start - 1 if prefix.full_attention else max(0, reasoning_start - 1)
+                 for prefix, (_, _, reasoning_start, answer_start, _) in zip(prefixes, jobs)]
         references = regenerate_rows(
             [Row(prefix, f, tuple(ids[f:answer_start]), tuple(ids[answer_start:]))
              for prefix, f, (_, ids, _, answer_start, _) in zip(prefixes, first, jobs)],

@@ -158,11 +158,17 @@ def regenerate_naive(model, contexts: Sequence[Sequence[int]], max_new_tokens: i
 
 
 class PrefixCache:
-    """The KV cache of a growing prefix of `ids`, copied out at any position at or after the last one requested."""
+    """The KV cache of prefixes of `ids`, copied out at a requested position.
+
+    Full-attention caches are computed once over all of `ids` and cut at any position (a cut full-attention cache
+    is exactly the prefix's cache). Sliding-window layers keep only their last window, so for them the cache grows
+    on demand and can be copied out only at or after the last position requested.
+    """
 
     def __init__(self, model, ids: Sequence[int]):
         self.model, self.ids = model, list(ids)
         self.cache = DynamicCache(config=model.config)
+        self.full_attention = not has_sliding_layers(self.cache)
         self.length = 0
 
     @torch.no_grad()
@@ -170,13 +176,16 @@ class PrefixCache:
         """A deep copy of the cache of ``ids[:position]``, repeated `repeats` times along the batch axis."""
         if not 0 <= position <= len(self.ids):
             raise ValueError(f"position {position} out of range 0..{len(self.ids)}")
-        if position < self.length:
+        if position < self.length and not self.full_attention:
             raise ValueError(f"the prefix cache is at {self.length}; it cannot go back to {position}")
-        if position > self.length:
-            extension = torch.tensor([self.ids[self.length:position]], dtype=torch.long, device=_device(self.model))
+        target = len(self.ids) if self.full_attention else position
+        if target > self.length:
+            extension = torch.tensor([self.ids[self.length:target]], dtype=torch.long, device=_device(self.model))
             self.model(input_ids=extension, cache=self.cache, use_cache=True, logits_to_keep=1)
-            self.length = position
+            self.length = target
         cache = copy.deepcopy(self.cache)
+        if position < self.length:  # full attention only (checked above)
+            cache.crop(position - self.length)
         cache.batch_repeat_interleave(repeats)
         return cache
 

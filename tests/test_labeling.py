@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from labeling.occlusion import OcclusionLabeler, resolve_replacement
 from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
@@ -141,12 +142,20 @@ def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
     assert NgramLookup([8, 8, 8]).draft(5) == [8]  # the match may run into the current suffix
 
 
-def test_prefix_cache_only_moves_forward(tiny_llama):
-    prefix = PrefixCache(tiny_llama.model, list(range(40, 60)))
-    assert prefix.copy_at(5, 2).get_seq_length() == 5
-    assert prefix.copy_at(9, 1).layers[0].keys.shape[:3] == (1, 2, 9)
+def test_prefix_cache_cuts_full_attention_and_only_extends_sliding(tiny_llama, tiny_gemma3):
+    ids = list(range(40, 80))  # 40 tokens: past the gemma3 tiny's 16-token sliding window
+    prefix = PrefixCache(tiny_llama.model, ids)
+    late, early = prefix.copy_at(30, 1), prefix.copy_at(9, 2)  # full attention: any order
+    fresh = DynamicCache(config=tiny_llama.model.config)
+    with torch.no_grad():
+        tiny_llama.model(input_ids=torch.tensor([ids[:9]]), cache=fresh, use_cache=True)
+    assert early.get_seq_length() == 9 and late.get_seq_length() == 30
+    assert early.layers[0].keys.shape[:3] == (2, 2, 9)
+    assert torch.allclose(early.layers[3].values[1], fresh.layers[3].values[0], atol=1e-5)
+    sliding = PrefixCache(tiny_gemma3.model, ids)
+    assert sliding.copy_at(30, 1).get_seq_length() == 30
     with pytest.raises(ValueError, match="cannot go back"):
-        prefix.copy_at(4, 1)
+        sliding.copy_at(20, 1)
 
 
 def _labeler(lm, method, **kw):
