@@ -22,17 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cli import main_guard, positive_int  # noqa: E402
+from models.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
 from models.errors import UsageError  # noqa: E402
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python bench/occlusion_speed.py", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python bench/occlusion_speed.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", default=None, help="trace records (tasks.run generations.jsonl); default: "
                         "generate --n-traces gsm8k traces first")
     parser.add_argument("--model", default="smollm2-135m", help="model (default smollm2-135m)")

@@ -36,7 +36,7 @@ from evictor.protocol import (
     resolve_budget,
     sequence_budgets,
 )
-from models.cli import atomic_write, main_guard, positive_int, save_config
+from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
 from models.errors import UsageError, unknown_choice
 from models.loading import KERNELS
 from models.registry import DEFAULT_MODEL, REGISTRY
@@ -45,10 +45,6 @@ from models.registry import DEFAULT_MODEL, REGISTRY
 CELL_IDENTITY = ("model", "dataset", "data_source", "policy", "budget", "protocol", "max_new_tokens", "temperature",
                  "seed", "dtype", "kernel", "reference")
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
 
 
 def _non_negative(text: str) -> int:
@@ -76,7 +72,7 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m evictor.run",
         description="Generate answers with decode-time KV-cache eviction (physical, per KV head), grade them, and "
         "write per-problem records and a results table. Budget semantics: K counts the protected tokens and the "

@@ -25,7 +25,7 @@ from geometry.calibration import CATEGORIES, calibration_digest, calibration_pro
 from geometry.measure import KEY_SPACES, MeasureSettings, layer_specs, measure_sequence, weight_norms
 from geometry.stats import JACCARD_MARGIN
 from geometry.summary import MODEL_COLUMNS, GeometryAccumulator, build_tables
-from models.cli import atomic_write, main_guard, positive_int, save_config
+from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
 from models.errors import UsageError
 from models.loading import load_model
 from models.records import JsonlStore
@@ -37,13 +37,9 @@ RUN_KEYS = ("ctx", "topk", "queries", "key_space")
 MEASUREMENT_KEYS = ("model", "weights", "dtype", *RUN_KEYS)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2 through main_guard, not argparse's usage dump
-        raise UsageError(message)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m geometry.survey", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m geometry.survey", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="registry name (smollm2-135m, gemma3-270m, ...), local HF directory, .gguf file or hub id "
                              f"(default {DEFAULT_MODEL})")

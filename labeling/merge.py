@@ -7,22 +7,17 @@ settings, and each holds every trace assigned to it, then writes ``DIR/labels.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 from labeling.occlusion import LABEL_IDENTITY
-from models.cli import atomic_write, main_guard, save_config
+from models.cli import ArgumentParser, atomic_write, main_guard, save_config
 from models.errors import UsageError
 from models.records import read_jsonl
 
 _SHARD_CONFIG = re.compile(r"^config\.shard-(\d+)-of-(\d+)\.json$")
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
 
 
 def merge(out: Path) -> tuple[Path, int]:
@@ -70,7 +65,7 @@ def merge(out: Path) -> tuple[Path, int]:
 
 
 def _run(argv: list[str] | None) -> int:
-    parser = _Parser(prog="python -m labeling.merge",
+    parser = ArgumentParser(prog="python -m labeling.merge",
                      description="Combine labels.shard-I-of-N.jsonl files of one occlusion run into labels.jsonl.")
     parser.add_argument("out", help="the --out directory the shards wrote to")
     args = parser.parse_args(argv)

@@ -41,7 +41,7 @@ from typing import Any
 
 from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 from labeling.windows import DEFAULT_TAIL, Boundary, find_answer_boundary, occlude, occlusion_windows, position_labels
-from models.cli import main_guard, positive_int, save_config
+from models.cli import ArgumentParser, main_guard, positive_int, save_config
 from models.errors import UsageError, unknown_choice
 
 REPLACEMENTS = ("pad", "space", "dot", "delete")
@@ -190,10 +190,6 @@ def label_records(labeler: OcclusionLabeler, traces: list[dict[str, Any]], progr
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
 
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/n"`` (0 <= i < n) -> (i, n)."""
@@ -213,7 +209,7 @@ def shard_suffix(shard: tuple[int, int] | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from models.registry import DEFAULT_MODEL, REGISTRY
 
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="python -m labeling.occlusion",
         description="Counterfactual occlusion labels (EpiKV App. 8): slide a window over each trace's reasoning, "
         "occlude it, regenerate the answer greedily and mark the window important if the answer changes.",

@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from models.cli import main_guard, positive_int, save_config
+from models.cli import ArgumentParser, main_guard, positive_int, save_config
 from models.errors import UsageError, unknown_choice
 from probes.signals.extract import ATTENTION_SIGNALS, DEFAULT_SIGNALS, SIGNALS, check_signals, resolve_layers
 from probes.signals.hidden import DEFAULT_EPS, DEFAULT_WINDOW, SMOOTHINGS, band_score, smooth
@@ -22,13 +22,9 @@ from probes.signals.hidden import DEFAULT_EPS, DEFAULT_WINDOW, SMOOTHINGS, band_
 BAND_SMOOTHINGS = ("mean", "z")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m probes.signals",
+    parser = ArgumentParser(prog="python -m probes.signals",
                      description="Compute per-token, per-layer signals (hidden-state change, K/V statistics, "
                      "attention scores) of stored traces with one teacher-forced forward each.")
     parser.add_argument("--traces", required=True, help="trace records (JSONL with id, prompt_ids, generated_ids)")
