@@ -37,7 +37,6 @@ RUN_KEYS = ("ctx", "topk", "queries", "key_space")
 MEASUREMENT_KEYS = ("model", "weights", "dtype", *RUN_KEYS)
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m geometry.survey", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL,

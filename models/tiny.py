@@ -25,7 +25,8 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    # sorted: alphabet() comes from a set, so its order (and every token id) would change with PYTHONHASHSEED
+    byte_vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
