@@ -493,7 +493,7 @@ def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smo
     assert engine.generate([prompt], 12).sequences[0].generated_ids == expected
     engine = EvictionEngine(smollm2, "random_shared", EvictionConfig(budget=len(prompt) + 6, buffer=4))
     with torch.inference_mode():
-        session, tokens = _run_until_evicted(engine, prompt, 14)
+        session, tokens = _run_until_evicted(engine, prompt, 20)
         cache = DynamicCache(config=smollm2.config)
         for index, store in enumerate(session.cache.layers):
             cache.update(store.keys.clone(), store.values.clone(), index)
