@@ -36,7 +36,7 @@ from evictor.protocol import (
     resolve_budget,
     sequence_budgets,
 )
-from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
+from models.cli import ArgumentParser, atomic_write, main_guard, non_negative_int, positive_int, save_config
 from models.errors import UsageError, unknown_choice
 from models.loading import KERNELS
 from models.registry import DEFAULT_MODEL, REGISTRY
@@ -44,17 +44,6 @@ from models.registry import DEFAULT_MODEL, REGISTRY
 # Settings that change what a record contains: a resumed cell must match them exactly.
 CELL_IDENTITY = ("model", "dataset", "data_source", "policy", "budget", "protocol", "max_new_tokens", "temperature",
                  "seed", "dtype", "kernel", "reference")
-
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -93,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "length from --reference (else --max-new-tokens); comma list to sweep (default: 1024)")
     p.add_argument("--reference", default=None,
                    help="a --policy full run (directory or generations.jsonl) giving L for fractional budgets")
-    p.add_argument("--buffer", type=_non_negative, default=DEFAULT_BUFFER,
+    p.add_argument("--buffer", type=non_negative_int, default=DEFAULT_BUFFER,
                    help=f"recent buffer r: the r newest tokens are never scored nor evicted, on top of K (default: {DEFAULT_BUFFER})")
     p.add_argument("--block", type=positive_int, default=DEFAULT_BLOCK,
                    help=f"prefill block size B; eviction at every block boundary, prefill peak K + r + B "
@@ -103,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "whenever over K + r (EpiKV/ValueDiff) (default: interval)")
     p.add_argument("--protect", default=None, choices=PROTECTIONS,
                    help="never evict the whole prompt, the first --n-sinks tokens, or nothing (default: the policy's)")
-    p.add_argument("--n-sinks", type=_non_negative, default=DEFAULT_SINKS, help=f"sink tokens for --protect sinks (default: {DEFAULT_SINKS})")
-    p.add_argument("--recency", type=_non_negative, default=0,
+    p.add_argument("--n-sinks", type=non_negative_int, default=DEFAULT_SINKS, help=f"sink tokens for --protect sinks (default: {DEFAULT_SINKS})")
+    p.add_argument("--recency", type=non_negative_int, default=0,
                    help="recency window w inside K: the w tokens before the buffer are kept unscored (EpiKV uses "
                    "min(128, K/4) with --buffer 0; default: 0)")
     p.add_argument("--budget-scope", default="all", choices=BUDGET_SCOPES,

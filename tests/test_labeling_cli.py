@@ -107,3 +107,19 @@ def test_other_refusals(tmp_path, traces, capsys):
     assert "--include-incorrect" in capsys.readouterr().err
     assert main(_args(tmp_path / "missing.jsonl", out)) == 2
     assert not out.exists()
+
+
+def test_generation_mode_runs_tasks_run_then_labels(tmp_path, traces, data_dir, monkeypatch):
+    """Without --traces: problems are generated with tasks.run into OUT/traces/, then labelled."""
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", data_dir)
+    model_dir = _records(traces)[0]["model"]
+    out = tmp_path / "generated"
+    assert main(["--dataset", "gsm8k", "--model", model_dir, "--limit", "2", "--max-new-tokens", "80",
+                 "--include-incorrect", "--window", "8", "--stride", "4", "--max-answer-tokens", "4",
+                 "--out", str(out)]) == 0
+    generated = _records(out / "traces" / "generations.jsonl")
+    assert [len(r["generated_ids"]) for r in generated] == [80, 80]
+    records = _records(out / "labels.jsonl")
+    assert [r["trace_id"] for r in records] == [r["id"] for r in generated]
+    assert all(r["boundary"] == "tail" and r["answer_start"] == r["n_tokens"] - 64 for r in records)
+    assert json.loads((out / "config.json").read_text())["traces"] == "generated"

@@ -259,7 +259,7 @@ def test_cli_out_of_range_heads_on_smollm2_exit_code(tmp_path):
 
 # --- SmolLM2 -----------------------------------------------------------------------------------------------------
 def test_smollm2_smoke_kept_beats_deleted(tmp_path, data_dir, capsys):
-    argv = ["--heads", "all;none", "--n", "2", "--budget", "80", "--buffer", "8", "--lead", "8", "--distance", "1",
+    argv = ["--heads", "all;none", "--n", "2", "--budget", "80", "--buffer", "8", "--lead", "8", "--distance", "2",
             "--threads", "1", "--n-boot", "200", "--data-file", os.path.join(data_dir, "math500.jsonl"),
             "--out", str(tmp_path / "s")]
     assert main(argv) == 0
