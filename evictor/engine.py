@@ -359,17 +359,19 @@ class Session:
 
     def _observe(self, start: int, positions: torch.Tensor) -> None:
         needs = self.engine.needs
+        scores = None
         for layer, store in enumerate(self.cache.layers):
-            scores = self.policy.observe(
-                ObserveInputs(
-                    layer=layer,
-                    positions=positions.long(),
-                    keys=store.keys[:, :, start:] if needs.keys else None,
-                    values=store.values[:, :, start:] if needs.values else None,
-                    hidden=dict(self.hidden),
-                    state=self.states[layer],
+            if layer == 0 or not self.policy.layer_independent:
+                scores = self.policy.observe(
+                    ObserveInputs(
+                        layer=layer,
+                        positions=positions.long(),
+                        keys=store.keys[:, :, start:] if needs.keys else None,
+                        values=store.values[:, :, start:] if needs.values else None,
+                        hidden=dict(self.hidden),
+                        state=self.states[layer],
+                    )
                 )
-            )
             if scores is not None:
                 frozen = store.extra[FROZEN]
                 frozen[..., start : store.length] = scores.float().expand(self.batch, self.n_kv, store.length - start)

@@ -85,6 +85,9 @@ class Policy:
     citation: ClassVar[str] = ""  # paper and equation
     deviations: ClassVar[str] = ""  # where this implementation departs from the paper, and why
     shared_across_heads: ClassVar[bool] = False  # one keep set for all KV heads of a layer
+    # `observe` reads nothing layer-specific (e.g. only the residual stream): the engine calls it once per forward
+    # instead of once per layer and gives every layer the same frozen scores.
+    layer_independent: ClassVar[bool] = False
     scores_nothing: ClassVar[bool] = False  # `full`: the engine never evicts
     # What the engine protects from eviction unless the run overrides it: "prompt" (whole prompt, the default of
     # Random Attention and EpiKV's hidden-state/KV families), "sinks" (first few tokens, StreamingLLM / H2O) or "none".

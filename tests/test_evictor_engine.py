@@ -356,6 +356,23 @@ def test_engine_invariants_for_every_policy(name, tiny_llama):
         assert differs, f"{name} is per-head but every head kept the same positions"
 
 
+@pytest.mark.parametrize("name", [n for n in REGISTERED if get_policy(n).layer_independent])
+def test_layer_independent_observe_once_equals_observing_every_layer(name, tiny_llama):
+    """The engine's once-per-forward shortcut changes nothing: the same keep sets as observing every layer."""
+    policy = make_policy(name)
+
+    class EveryLayer(type(policy)):
+        layer_independent = False
+
+    every_layer = copy.copy(policy)
+    every_layer.__class__ = EveryLayer
+    config = EvictionConfig(budget=24, buffer=4, block=8, protect="sinks", keep_log=True, seed=3)
+    logs = [EvictionEngine(tiny_llama, p, config).generate([ids_of(tiny_llama)], 40, ignore_eos=True)
+            .sequences[0].keep_log for p in (policy, every_layer)]
+    assert len(logs[0]["round_step"]) >= 2
+    assert np.array_equal(logs[0]["position"], logs[1]["position"])
+
+
 def test_fa_compatible_policies_never_request_attention_even_on_the_eager_kernel(tiny_llama_eager):
     for name in ["local_random", "local_keynorm_frozen"] + [n for n in REGISTERED if get_policy(n).needs.fa_compatible]:
         result = EvictionEngine(tiny_llama_eager, make_policy(name), EvictionConfig(budget=30, buffer=4, protect="sinks")

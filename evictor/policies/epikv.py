@@ -125,6 +125,7 @@ class _HiddenBands(Policy):
     window: int = WINDOW
     n_layers: int = PAPER_DEPTH
     shared_across_heads = True  # one score per token, read from the residual stream
+    layer_independent = True
     default_protection = "prompt"
 
     def __post_init__(self) -> None:
