@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from evictor.attention import group_average, recompute_attention
 from evictor.cache import position_mask
-from evictor.engine import EvictionEngine, select_slots
+from evictor.engine import FROZEN, EvictionEngine, select_slots
 from evictor.instrument import kept_positions
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
 from evictor.protocol import EvictionConfig, plan_round, resolve_budget, sequence_budgets
@@ -438,6 +438,29 @@ def test_batched_left_padded_decoding_matches_single_sequences(tiny):
     single = [EvictionEngine(tiny, LocalRandom(), config).generate([p], 16).sequences[0].generated_ids for p in prompts]
     batched = EvictionEngine(tiny, LocalRandom(), config).generate(prompts, 16)
     assert [s.generated_ids for s in batched.sequences] == single
+
+
+@pytest.mark.parametrize("name", ["epikv", "epikv_raw", "kv_key", "lag_kv"])
+def test_frozen_scores_of_a_left_padded_sequence_equal_its_scores_alone(name, tiny_llama):
+    short, long = ids_of(tiny_llama), ids_of(tiny_llama, TEXT * 3)
+    engine = EvictionEngine(tiny_llama, get_policy(name), EvictionConfig(budget=10_000, block=16))
+
+    decode = {id(short): [5, 7, 13], id(long): [9, 11, 3]}  # three forced decode steps per sequence
+
+    def frozen_by_position(prompts: list[list[int]]) -> list[dict[int, float]]:
+        tokens = torch.tensor([decode[id(prompt)] for prompt in prompts]).T  # [step, batch]
+        with torch.inference_mode(), engine.session(prompts, max_new_tokens=3) as session:
+            session.prefill()
+            for step in tokens:
+                session.step(step)
+            store = session.cache.layers[1]
+            return [{int(p): float(f) for p, f in zip(store.positions[b, 0], store.extra[FROZEN][b, 0]) if p >= 0}
+                    for b in range(len(prompts))]
+
+    batched = frozen_by_position([short, long])
+    for alone, together in zip([frozen_by_position([short])[0], frozen_by_position([long])[0]], batched):
+        assert alone.keys() == together.keys()
+        assert np.allclose([alone[p] for p in alone], [together[p] for p in alone], rtol=1e-4, atol=1e-4)
 
 
 def test_batched_eviction_keeps_per_sequence_budgets(tiny_llama):

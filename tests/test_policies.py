@@ -194,9 +194,12 @@ def test_lag_kv_streaming_matches_the_offline_signal():
     keys, values = torch.randn(1, 2, 150, 4), torch.randn(1, 2, 150, 4)
     policy = get_policy("lag_kv")
     state: dict = {}
-    out = [policy.observe(ObserveInputs(0, None, keys[:, :, :100], values[:, :, :100], {}, state))]
+    positions = torch.arange(150)[None]  # [batch, pos]
+    out = [policy.observe(ObserveInputs(0, positions[:, :100], keys[:, :, :100], values[:, :, :100], {}, state))]
     out += [
-        policy.observe(ObserveInputs(0, None, keys[:, :, t : t + 1], values[:, :, t : t + 1], {}, state))
+        policy.observe(
+            ObserveInputs(0, positions[:, t : t + 1], keys[:, :, t : t + 1], values[:, :, t : t + 1], {}, state)
+        )
         for t in range(100, 150)
     ]
     offline = lag_normalised_variance(keys) + lag_normalised_variance(values)

@@ -53,7 +53,10 @@ class _RollingVariance(Policy):
         (vectors,) = require(self, inputs, self.source)
         batch, heads, new, _ = vectors.shape  # [batch, kv_head, new, d_head]
         stats = inputs.state.setdefault("stats", RollingStats(self.window))
-        mean, _ = stats.add(head_dim_variance(vectors).reshape(batch * heads, new))
+        # Left padding (negative positions) becomes NaN, which the rolling mean skips as it skips the time before
+        # a sequence starts, so a padded sequence scores exactly as it does alone.
+        variance = head_dim_variance(vectors).masked_fill(inputs.positions[:, None, :] < 0, float("nan"))
+        mean, _ = stats.add(variance.reshape(batch * heads, new))
         return mean.reshape(batch, heads, new)
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
@@ -101,10 +104,18 @@ class LagKV(Policy):
         return Needs(keys=True, values=True)
 
     def observe(self, inputs: ObserveInputs) -> torch.Tensor:
-        keys, values = require(self, inputs, "keys", "values")
-        key_lag = inputs.state.setdefault("keys", LagNormaliser(self.chunk))
-        value_lag = inputs.state.setdefault("values", LagNormaliser(self.chunk))
-        return head_dim_variance(key_lag.add(keys)) + head_dim_variance(value_lag.add(values))
+        keys, values = require(self, inputs, "keys", "values")  # [batch, kv_head, new, d_head]
+        # Chunks count each sequence's own tokens, so every sequence has its own normalisers, fed only its real
+        # tokens: left padding (negative positions, always leading) would shift the chunk boundaries.
+        normalisers = inputs.state.setdefault(
+            "lag", [(LagNormaliser(self.chunk), LagNormaliser(self.chunk)) for _ in range(keys.shape[0])])
+        scores = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)  # [batch, kv_head, new]
+        for row, (key_lag, value_lag) in enumerate(normalisers):
+            first = int((inputs.positions[row] < 0).sum())
+            if first < keys.shape[2]:
+                scores[row, :, first:] = (head_dim_variance(key_lag.add(keys[row, :, first:]))
+                                          + head_dim_variance(value_lag.add(values[row, :, first:])))
+        return scores
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return broadcast_frozen(self, inputs)
@@ -118,6 +129,7 @@ class _HiddenBands(Policy):
     unset they are layers 10 and 21 of the paper's 32-layer model moved to the same relative depth of an
     `n_layers`-layer model (`for_depth`, which the engine calls with the model's depth; 30 layers -> 9 and 20).
     Position 0 of a sequence has no predecessor (g undefined) and scores 0; it is a prompt token, protected by default.
+    Left padding of a batch is skipped, so a padded sequence scores exactly as it does alone.
     """
 
     positive_layers: tuple[int, ...] | None = None
@@ -169,7 +181,9 @@ class _HiddenBands(Policy):
             if layer not in inputs.hidden:
                 raise ValueError(f"policy {self.name!r} needs ObserveInputs.hidden[{layer}] (see its `needs`)")
             hidden = inputs.hidden[layer]  # [batch, new, d_model]
-            g = hidden_diffs(hidden, previous.get(layer))
+            # A sequence's first token (position 0) has no predecessor, and left padding (negative positions) is
+            # not one: NaN there, which the rolling statistics skip.
+            g = hidden_diffs(hidden, previous.get(layer)).masked_fill(inputs.positions <= 0, float("nan"))
             previous[layer] = hidden[:, -1].clone()  # not a view: it would keep the whole block alive
             smoothed[layer] = self.smooth(stats.setdefault(layer, RollingStats(self.window)), g)
         positive, negative = self.bands
