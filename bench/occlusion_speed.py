@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=positive_int, default=16, help="window stride (default 16)")
     parser.add_argument("--max-answer-tokens", type=positive_int, default=64,
                         help="regeneration limit per window (default 64; the labeller's default is 512)")
-    parser.add_argument("--batch-size", type=positive_int, default=16,
-                        help="fast method: rows per batch (default 16)")
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="fast method: rows per batch (default 32, the labeller's default)")
     parser.add_argument("--traces-per-batch", type=positive_int, default=4,
                         help="fast method: traces labelled together, their windows sharing batches (default 4)")
     parser.add_argument("--replacement", default="pad", help="pad, space, dot, delete or a token id (default pad)")
@@ -95,7 +95,7 @@ def _run(argv: list[str] | None) -> int:
 
     naive, fast = labeler("naive"), labeler("fast")
     rows, groups = [], []
-    print(f"{'trace':<16} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8}  identical")
+    print(f"{'trace':<36} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8}  identical")
     for first in range(0, len(traces), args.traces_per_batch):
         group = traces[first:first + args.traces_per_batch]
         pairs = [(t["prompt_ids"], t["generated_ids"]) for t in group]
@@ -108,14 +108,14 @@ def _run(argv: list[str] | None) -> int:
             a = naive.label(*pair)
             seconds = time.perf_counter() - start
             if a["status"] != "labelled" or b["status"] != "labelled":
-                print(f"{str(trace['id']):<16} skipped: {a.get('reason')} / {b.get('reason')}")
+                print(f"{str(trace['id'])[-36:]:<36} skipped: {a.get('reason')} / {b.get('reason')}")
                 continue
             naive_s += seconds
             identical = a == b  # labels, windows with their answers, reference text: everything
             row = {"trace": str(trace["id"]), "tokens": a["n_tokens"], "windows": len(a["windows"]),
                    "flips": sum(w["flipped"] for w in a["windows"]), "naive_s": seconds, "identical": identical}
             rows.append(row)
-            print(f"{row['trace']:<16} {row['tokens']:>6} {row['windows']:>7} {row['flips']:>5} "
+            print(f"{row['trace'][-36:]:<36} {row['tokens']:>6} {row['windows']:>7} {row['flips']:>5} "
                   f"{row['naive_s']:>8.1f}  {'yes' if identical else 'NO'}")
         if naive_s:
             groups.append({"traces": [str(t["id"]) for t in group], "naive_s": naive_s, "fast_s": fast_s,

@@ -84,7 +84,7 @@ class OcclusionLabeler:
     window: int = 32
     stride: int = 16
     max_answer_tokens: int = 512
-    batch_size: int = 8
+    batch_size: int = 32
     method: str = "fast"
     tail: int = DEFAULT_TAIL
 
@@ -239,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "neutral tokens), delete (remove it, shortening the context) or a token id")
     parser.add_argument("--max-answer-tokens", type=positive_int, default=512,
                         help="greedy regeneration length limit per window (default 512)")
-    parser.add_argument("--batch-size", type=positive_int, default=8,
-                        help="windows regenerated together by the fast method (default 8; memory grows with it)")
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="contexts regenerated together by the fast method (default 32; memory grows with it: "
+                        "each holds a copy of its trace's KV cache)")
     parser.add_argument("--traces-per-batch", type=positive_int, default=4,
                         help="traces labelled together (fast method: their windows share batches; default 4); "
                         "records are written when a group finishes")
@@ -372,20 +373,19 @@ def _run(argv: list[str] | None) -> int:
                   file=sys.stderr)
     if shard is not None:
         eligible = [t for i, t in enumerate(eligible) if i % shard[1] == shard[0]]
-    return _label_all(args, lm, eligible, out, suffix, identity, replacement, shard,
-                      lambda text: extract_answer(text, dataset), lambda a, b: is_equivalent(a, b),
-                      stop_token_ids(lm.tokenizer, lm.model))
+    return _label_all(args, lm, eligible, out, suffix, identity, replacement,
+                      lambda text: extract_answer(text, dataset), is_equivalent, stop_token_ids(lm.tokenizer, lm.model))
 
 
-def _label_all(args, lm, eligible, out, suffix, identity, replacement, shard, answer_of, same, stop_ids) -> int:
+def _label_all(args, lm, eligible, out, suffix, identity, replacement, answer_of, same, stop_ids) -> int:
     from tqdm import tqdm
 
     from models.records import JsonlStore
 
     labeler = OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer, answer_of=answer_of, same=same,
-                               stop_ids=stop_ids, window=args.window,
-                               stride=args.stride, replacement=replacement, max_answer_tokens=args.max_answer_tokens,
-                               batch_size=args.batch_size, method=args.method)
+                               stop_ids=stop_ids, replacement=replacement, window=args.window, stride=args.stride,
+                               max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
+                               method=args.method)
     plans = {str(t["id"]): labeler.plan(t["prompt_ids"], t["generated_ids"]) for t in eligible}
     if eligible and not any(windows for _, windows in plans.values()):
         longest = max(b.answer_start - len(t["prompt_ids"]) for t, (b, _) in zip(eligible, plans.values()))

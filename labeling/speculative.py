@@ -10,7 +10,7 @@ the greedy continuation (up to floating-point summation order). Drafts come from
   its context, the reference continuation and its own output (reasoning text repeats itself).
 
 Each row's draft length adapts: it doubles after a fully accepted draft and drops to what was accepted otherwise,
-so rows whose drafts keep failing stop paying for them.
+so rows whose drafts keep failing stop paying for them; a step's drafts are cut to their median length.
 
 Rows start separately: each is prefilled from its own cache (only the tokens that differ from its trace's shared
 prefix) together with its reference's first tokens as a draft, then the row caches are stacked into one batch,
@@ -149,7 +149,11 @@ def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Se
     blocked = torch.finfo(model.dtype).min
     while live:
         drafts = [draft(rows[index]) for index in live]
-        width = 1 + max(len(d) for d in drafts)
+        # Every row pays for the longest draft fed, so drafts are cut to the median length: a few long drafts do
+        # not make the whole batch compute mostly padding.
+        cap = sorted(len(d) for d in drafts)[len(drafts) // 2]
+        drafts = [d[:cap] for d in drafts]
+        width = 1 + cap
         inputs = torch.tensor([[rows[index].out[-1], *d, *[0] * (width - 1 - len(d))]  # padding is never accepted
                                for index, d in zip(live, drafts)], device=device)  # [live, width]
         positions = valid.sum(1, keepdim=True) + torch.arange(width, device=device)
