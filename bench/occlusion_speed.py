@@ -9,6 +9,11 @@ batches), the naive one each trace alone, right after, on the same machine state
 trace, naive and fast seconds per group with their ratio, the total ratio, and whether the two methods' records
 (labels, every window's regenerated answer, the reference text) are identical. Timings on a shared CPU are noisy:
 compare ratios from one run, not seconds across runs.
+
+The ratio depends on the hardware and the regime (bench/README.md has measurements): the naive method decodes one
+token per forward, which is memory-bound and gains nothing from more cores, while the fast method's batched
+forwards are compute-bound and do; long regenerations (`--max-answer-tokens 512`, the labeller's default) favour
+the fast method, short ones leave the prefill of the occluded suffix, which no method can skip, dominant.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traces-per-batch", type=positive_int, default=4,
                         help="fast method: traces labelled together, their windows sharing batches (default 4)")
     parser.add_argument("--replacement", default="pad", help="pad, space, dot, delete or a token id (default pad)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="torch CPU threads (default 1: on a shared machine more threads oversubscribe)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads for both methods (default: torch's, all cores, as the labeller runs; "
+                        "on a machine shared with other jobs, 1 avoids oversubscription)")
     parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     return parser
 
@@ -71,7 +77,8 @@ def _run(argv: list[str] | None) -> int:
     from tasks.generation import generate, stop_token_ids
     from tasks.grading import extract_answer, is_equivalent
 
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")
     if args.traces is not None:
         traces = list(read_jsonl(args.traces))[: args.limit]
@@ -129,10 +136,11 @@ def _run(argv: list[str] | None) -> int:
         "median_group_ratio": statistics.median(g["ratio"] for g in groups),
         "total_ratio": sum(g["naive_s"] for g in groups) / sum(g["fast_s"] for g in groups),
         "all_identical": all(r["identical"] for r in rows),
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "threads": torch.get_num_threads()},
     }
     print(f"\nnaive / fast: total {summary['total_ratio']:.2f}x (median over groups "
-          f"{summary['median_group_ratio']:.2f}x) over {len(rows)} traces, {summary['windows']} windows; labels identical: "
+          f"{summary['median_group_ratio']:.2f}x) over {len(rows)} traces, {summary['windows']} windows, "
+          f"{torch.get_num_threads()} thread(s), regeneration limit {args.max_answer_tokens}; labels identical: "
           f"{'yes' if summary['all_identical'] else 'NO'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "groups": groups, **summary}, indent=2) + "\n")
