@@ -13,7 +13,7 @@ at a stop token (kept in the output) or after `max_new_tokens`.
      the rest. Copying, not cropping a full-context cache, keeps sliding-window layers (which store only their
      last window) correct.
   2. Batching. Rows (of one trace or, for full-attention models, of several) decode together; a finished row
-     leaves the batch.
+     leaves the batch and, for full-attention models, the next row takes its place.
   3. Drafts verified, not decoded. Most windows do not change the continuation, so each row is fed likely next
      tokens and checked against its own greedy argmax at each position, as in speculative decoding: an agreeing
      draft costs one forward instead of one decode step per token. The unoccluded continuation drafts every window;
@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -209,7 +210,8 @@ def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence
     """The greedy continuation of each row, in order. Rows may come from several traces (prefixes); each prefix's
     rows must be in nondecreasing start order, and no start may precede one already served by its prefix.
 
-    Full-attention models: rows from any traces share `speculative_greedy` batches of `batch_size`. Models with
+    Full-attention models: rows from any traces share a `speculative_greedy` batch of up to `batch_size` rows,
+    refilled as rows finish. Models with
     sliding-window layers: consecutive rows with one prefix, one context length and one reference share a batch,
     from their first start, verified with `greedy_extend_with_draft` (or decoded with `greedy_extend`).
     """
@@ -218,17 +220,12 @@ def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence
         return results
     model = rows[0].prefix.model
     if not any(has_sliding_layers(row.prefix.cache) for row in rows):
-        for first in range(0, len(rows), batch_size):
-            batch = rows[first:first + batch_size]
-            starts = [min(row.start, row.length - 1) for row in batch]  # feed at least one token for its logits
-            caches = [row.prefix.copy_at(s, 1) for s, row in zip(starts, batch)]
-            tails = [row.prefix.ids[s:row.start] + list(row.tail) for s, row in zip(starts, batch)]
-            contexts = [row.prefix.ids[:row.start] + list(row.tail) for row in batch]
-            results.extend(speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids,
-                                              [row.reference for row in batch]))
-            if progress:
-                progress(len(batch))
-        return results
+        starts = [min(row.start, row.length - 1) for row in rows]  # feed at least one token for its logits
+        caches = [partial(row.prefix.copy_at, s, 1) for s, row in zip(starts, rows)]
+        tails = [row.prefix.ids[s:row.start] + list(row.tail) for s, row in zip(starts, rows)]
+        contexts = [row.prefix.ids[:row.start] + list(row.tail) for row in rows]
+        return speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids,
+                                  [row.reference for row in rows], batch_size=batch_size, progress=progress)
     device = _device(model)
     first = 0
     while first < len(rows):

@@ -13,22 +13,27 @@ Each row's draft length adapts: it doubles after a fully accepted draft and drop
 so rows whose drafts keep failing stop paying for them; a step's drafts are cut to their median length.
 
 Rows start separately: each is prefilled from its own cache (only the tokens that differ from its trace's shared
-prefix) together with its reference's first tokens as a draft, then the row caches are stacked into one batch,
-whatever trace each row comes from. Rows have different lengths and accept different numbers of tokens, so the
-batch cache is ragged: short rows are padded, every row gets the same number of new slots per step, padding and
-the slots of rejected draft tokens stay in the cache masked out by a 4D attention mask, and explicit position
-ids keep each row's positions contiguous. Sliding-window layers index their window by slot, not position, so
-models with them must use the other engines (`labeling.regenerate` chooses).
+prefix) together with its reference's first tokens as a draft, then joins the batch, whatever trace it comes from.
+The batch is refilled as rows finish (continuous batching), so a few rows that run to the length limit do not
+leave the machine computing small batches while other rows wait. Rows have different lengths and accept different
+numbers of tokens, so the batch cache is ragged: short rows are padded, every row gets the same number of new
+slots per step, padding and the slots of rejected draft tokens stay in the cache masked out by a 4D attention
+mask, and explicit position ids keep each row's positions contiguous; when masked slots outnumber the longest
+row's real ones, every row's real slots are gathered to the front. Sliding-window layers index their window by
+slot, not position, so models with them must use the other engines (`labeling.regenerate` chooses).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
 
 LOOKUP_ORDERS = (3, 2, 1)
+# Compact the batch cache when its slots beyond the longest row's real ones exceed both this count and this ratio
+# of the real ones: gathering costs a copy of the cache, attending over dead slots costs every later step.
+COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO = 64, 1.0
 _SEPARATOR = -1  # joins lookup corpora; never a token id, so no n-gram spans two corpora and no draft crosses one
 
 
@@ -63,17 +68,39 @@ def has_sliding_layers(cache: DynamicCache) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
-def _stack(caches: list[DynamicCache]) -> DynamicCache:
-    """One batch cache from single-row caches (consumes them); shorter rows are padded on the right with zeros,
-    which the caller masks out."""
-    slots = max(cache.get_seq_length() for cache in caches)
-    stacked = caches[0]
-    for index, layer in enumerate(stacked.layers):
+def _pad_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[batch, kv_head, own slots, d_head]`` zero-padded on the right to `slots`."""
+    return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
+
+
+def _join(batch: DynamicCache | None, valid: torch.Tensor | None, caches: list[DynamicCache],
+          valids: list[list[bool]]) -> tuple[DynamicCache, torch.Tensor]:
+    """Append single-row caches (consumed) to the batch cache; every row is padded on the right to the longest, and
+    ``valid [rows, slots]`` marks the real slots (the caller masks the rest)."""
+    slots = max([len(v) for v in valids] + ([valid.shape[1]] if valid is not None else []))
+    device = caches[0].layers[0].keys.device
+    new_valid = torch.tensor([v + [False] * (slots - len(v)) for v in valids], dtype=torch.bool, device=device)
+    parts = ([batch] if batch is not None else []) + caches
+    joined = parts[0]
+    for index, layer in enumerate(joined.layers):
         for name in ("keys", "values"):
-            parts = [getattr(c.layers[index], name) for c in caches]  # [1, kv_head, own slots, d_head]
-            parts = [torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2])) for t in parts]
-            setattr(layer, name, torch.cat(parts, dim=0))
-    return stacked
+            setattr(layer, name, torch.cat([_pad_slots(getattr(c.layers[index], name), slots) for c in parts], dim=0))
+    if valid is not None:
+        new_valid = torch.cat([torch.nn.functional.pad(valid, (0, slots - valid.shape[1])), new_valid], dim=0)
+    return joined, new_valid
+
+
+def _compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Gather each row's real slots, in order, to the front of the cache and drop the slots no row uses; returns the
+    new ``valid``. Masked slots contribute nothing to attention, so this changes only the summation order."""
+    counts = valid.sum(1)
+    keep = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]  # real slots first
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [rows, kv_head, slots, d_head]
+            setattr(layer, name, t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
+    return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
 
 
 class _Row:
@@ -85,23 +112,25 @@ class _Row:
 
 
 @torch.no_grad()
-def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Sequence[int]],
+def speculative_greedy(model, caches: Sequence[Callable[[], DynamicCache]], tails: Sequence[Sequence[int]],
                        contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
                        references: Sequence[Sequence[int] | None] | None = None, draft_len: int = 4,
-                       reference_draft_len: int = 32) -> list[list[int]]:
-    """Greedy continuations of rows: row b feeds ``tails[b]`` after its single-row cache ``caches[b]``.
+                       reference_draft_len: int = 32, batch_size: int | None = None,
+                       progress: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Greedy continuations of rows: row b feeds ``tails[b]`` after the single-row cache ``caches[b]()`` returns.
 
     Rows may come from different traces and have different lengths. `contexts[b]` is row b's whole context
     (cached prefix and tail, what lookup searches); `references[b]` its expected continuation (a draft, or None).
-    Returns the new tokens of each row, ending at a stop token (kept) or after `max_new_tokens`. Consumes `caches`.
+    At most `batch_size` rows (default: all) decode together; a row's cache is made only when the row joins, so
+    memory holds the live rows alone. `progress(1)` is called as each row finishes. Returns the new tokens of each
+    row, ending at a stop token (kept) or after `max_new_tokens`.
     """
-    if any(has_sliding_layers(cache) for cache in caches):
-        raise ValueError("speculative_greedy needs full-attention cache layers (no sliding window)")
     device = next(model.parameters()).device
     stops = set(stop_ids)
     references = references if references is not None else [None] * len(caches)
     rows = [_Row(list(context), list(reference or [])[:max_new_tokens], draft_len)
             for context, reference in zip(contexts, references)]
+    limit = batch_size or len(rows)
 
     def finished(row: _Row) -> bool:
         return bool(row.out) and (row.out[-1] in stops or len(row.out) >= max_new_tokens)
@@ -127,27 +156,41 @@ def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Se
         row.k = min(2 * row.k, reference_draft_len) if proposal and accepted == len(proposal) else max(1, accepted + 1)
         return accepted
 
-    # Prefill every row from its own start with its reference's first tokens as its first draft.
-    live, live_caches, valid_rows = [], [], []
-    for index, (cache, tail) in enumerate(zip(caches, tails)):
-        row = rows[index]
+    def start(index: int) -> tuple[DynamicCache, list[bool]] | None:
+        """Prefill a row from its own cache with its reference's first tokens as its first draft."""
+        row, cache = rows[index], caches[index]()
+        if has_sliding_layers(cache):
+            raise ValueError("speculative_greedy needs full-attention cache layers (no sliding window)")
         first_draft = row.reference[:reference_draft_len]
-        feed = torch.tensor([[*tail, *first_draft]], device=device)
+        feed = torch.tensor([[*tails[index], *first_draft]], device=device)
         logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=len(first_draft) + 1).logits
         accepted = accept(row, first_draft, logits[0].argmax(-1).tolist())
-        if not finished(row):
-            live.append(index)
-            live_caches.append(cache)
-            valid_rows.append([True] * (cache.get_seq_length() - len(first_draft) + accepted)
-                              + [False] * (len(first_draft) - accepted))
-    if not live:
-        return [row.out for row in rows]
-    cache = _stack(live_caches)
-    slots = max(len(v) for v in valid_rows)
-    valid = torch.tensor([v + [False] * (slots - len(v)) for v in valid_rows], dtype=torch.bool,
-                         device=device)  # [live, slots]
+        if finished(row):
+            if progress:
+                progress(1)
+            return None
+        return cache, [True] * (cache.get_seq_length() - len(first_draft) + accepted) + [False] * (
+            len(first_draft) - accepted)
+
+    waiting = iter(range(len(rows)))
+    live: list[int] = []
+    cache: DynamicCache | None = None
+    valid: torch.Tensor | None = None  # [live, slots]: the slots each live row attends to
     blocked = torch.finfo(model.dtype).min
-    while live:
+    while True:
+        joining = []
+        while len(live) + len(joining) < limit and (index := next(waiting, None)) is not None:
+            if (started := start(index)) is not None:
+                joining.append((index, *started))
+        if joining:
+            cache, valid = _join(cache if live else None, valid if live else None, [c for _, c, _ in joining],
+                                 [v for _, _, v in joining])
+            live += [index for index, _, _ in joining]
+        if not live:
+            break
+        longest = int(valid.sum(1).max())
+        if valid.shape[1] - longest > max(COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO * longest):
+            valid = _compact(cache, valid)
         drafts = [draft(rows[index]) for index in live]
         # Every row pays for the longest draft fed, so drafts are cut to the median length: a few long drafts do
         # not make the whole batch compute mostly padding.
@@ -168,6 +211,8 @@ def speculative_greedy(model, caches: Sequence[DynamicCache], tails: Sequence[Se
         valid = torch.cat([valid, new_valid], dim=1)
         keep = [i for i, index in enumerate(live) if not finished(rows[index])]
         if len(keep) < len(live):
+            if progress:
+                progress(len(live) - len(keep))
             live = [live[i] for i in keep]
             if keep:
                 index = torch.tensor(keep, device=device)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from labeling.occlusion import OcclusionLabeler, resolve_replacement
 from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
-from labeling.speculative import NgramLookup, speculative_greedy
+from labeling import speculative
+from labeling.speculative import NgramLookup, _compact, _join, speculative_greedy
 from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
 from models.errors import UsageError
 from models.tiny import tiny_model, tiny_tokenizer
@@ -123,14 +126,55 @@ def test_both_draft_engines_with_short_drafts(family):
     stops = [lm.tokenizer.eos_token_id]
     prefix = PrefixCache(lm.model, ids)
     start = rows[0][0]
-    spec = speculative_greedy(lm.model, [prefix.copy_at(start, 1) for _ in rows],
-                              [ids[start:s] + list(t) for s, t in rows], [ids[:s] + list(t) for s, t in rows], 14,
-                              stops, references=[naive[0]] * len(rows), draft_len=1, reference_draft_len=3)
-    assert spec == naive[1:]
+    for batch_size in (None, 2):  # all rows at once; two at a time, refilled as rows finish
+        finished = []
+        spec = speculative_greedy(lm.model, [partial(prefix.copy_at, start, 1)] * len(rows),
+                                  [ids[start:s] + list(t) for s, t in rows], [ids[:s] + list(t) for s, t in rows],
+                                  14, stops, references=[naive[0]] * len(rows), draft_len=1, reference_draft_len=3,
+                                  batch_size=batch_size, progress=finished.append)
+        assert spec == naive[1:]
+        assert sum(finished) == len(rows)
     inputs = torch.tensor([ids[start:s] + list(t) for s, t in rows])
     chunked = greedy_extend_with_draft(lm.model, prefix.copy_at(start, len(rows)), inputs, naive[0], 14, stops,
                                        chunk=3)
     assert chunked == naive[1:]
+
+
+def test_join_pads_rows_and_compact_gathers_real_slots_in_order():
+    def one_row(values: list[float]) -> DynamicCache:
+        cache = DynamicCache()
+        t = torch.tensor(values)[None, None, :, None]  # [1, kv_head, slots, d_head]
+        cache.update(t, t + 100, 0)
+        return cache
+
+    cache, valid = _join(None, None, [one_row([1, 2, 3])], [[True, False, True]])
+    cache, valid = _join(cache, valid, [one_row([4, 5, 6, 7, 8])], [[True, True, False, False, True]])
+    assert valid.tolist() == [[True, False, True, False, False], [True, True, False, False, True]]
+    assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    valid = _compact(cache, valid)
+    assert valid.tolist() == [[True, True, False], [True, True, True]]
+    assert cache.layers[0].keys[:, 0, :2, 0].tolist() == [[1, 3], [4, 5]] and cache.layers[0].keys[1, 0, 2, 0] == 8
+    assert cache.layers[0].values[1, 0, :, 0].tolist() == [104, 105, 108]
+
+
+def test_speculative_engine_exact_when_compacting_every_step(chaotic_tiny, monkeypatch):
+    """Long regenerations with rejected drafts and a refilled batch, compacted at every step, stay exact."""
+    monkeypatch.setattr(speculative, "COMPACT_MIN_DEAD", 0)
+    monkeypatch.setattr(speculative, "COMPACT_DEAD_RATIO", 0.0)
+    compactions = []
+    monkeypatch.setattr(speculative, "_compact", lambda cache, valid: compactions.append(1) or _compact(cache, valid))
+    ids, rows, naive = _contexts_and_naive(chaotic_tiny, "pad", max_new=24)
+    stops = [chaotic_tiny.tokenizer.eos_token_id]
+    prefix = PrefixCache(chaotic_tiny.model, ids)
+    if not prefix.full_attention:
+        pytest.skip("sliding-window models use the chunked engine")
+    starts = [min(s, len(ids) - 1) for s, _ in rows]
+    spec = speculative_greedy(chaotic_tiny.model, [partial(prefix.copy_at, s, 1) for s in starts],
+                              [ids[s0:s] + list(t) for s0, (s, t) in zip(starts, rows)],
+                              [ids[:s] + list(t) for s, t in rows], 24, stops, references=[naive[0]] * len(rows),
+                              draft_len=8, batch_size=3)
+    assert spec == naive[1:]
+    assert len(compactions) > 5
 
 
 def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
