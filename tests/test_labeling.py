@@ -157,8 +157,10 @@ def test_join_pads_rows_and_compact_gathers_real_slots_in_order():
     assert cache.layers[0].values[1, 0, :, 0].tolist() == [104, 105, 108]
 
 
-def test_speculative_engine_exact_when_compacting_every_step(chaotic_tiny, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # the speculative engine's (full-attention) families
+def test_speculative_engine_exact_when_compacting_every_step(family, monkeypatch):
     """Long regenerations with rejected drafts and a refilled batch, compacted at every step, stay exact."""
+    chaotic_tiny = tiny_model(family, seed=0, initializer_range=0.1)
     monkeypatch.setattr(speculative, "COMPACT_MIN_DEAD", 0)
     monkeypatch.setattr(speculative, "COMPACT_DEAD_RATIO", 0.0)
     compactions = []
@@ -166,8 +168,6 @@ def test_speculative_engine_exact_when_compacting_every_step(chaotic_tiny, monke
     ids, rows, naive = _contexts_and_naive(chaotic_tiny, "pad", max_new=24)
     stops = [chaotic_tiny.tokenizer.eos_token_id]
     prefix = PrefixCache(chaotic_tiny.model, ids)
-    if not prefix.full_attention:
-        pytest.skip("sliding-window models use the chunked engine")
     starts = [min(s, len(ids) - 1) for s, _ in rows]
     spec = speculative_greedy(chaotic_tiny.model, [partial(prefix.copy_at, s, 1) for s in starts],
                               [ids[s0:s] + list(t) for s0, (s, t) in zip(starts, rows)],
