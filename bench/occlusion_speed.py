@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
-from models.errors import UsageError  # noqa: E402
+from core.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
+from core.errors import UsageError  # noqa: E402
 
 
 
@@ -63,7 +63,7 @@ def _run(argv: list[str] | None) -> int:
     from tasks.datasets import DATASETS
 
     if args.dataset not in DATASETS:
-        from models.errors import unknown_choice
+        from core.errors import unknown_choice
 
         raise unknown_choice("dataset", args.dataset, DATASETS)
     if args.traces is not None and not Path(args.traces).is_file():
@@ -73,7 +73,7 @@ def _run(argv: list[str] | None) -> int:
 
     from labeling.occlusion import OcclusionLabeler, resolve_replacement
     from models.loading import load_model
-    from models.records import read_jsonl
+    from core.records import read_jsonl
     from tasks.generation import generate, stop_token_ids
     from tasks.grading import extract_answer, is_equivalent
 

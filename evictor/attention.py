@@ -22,7 +22,7 @@ from contextlib import ExitStack
 import torch
 
 from evictor.cache import EvictingCache, position_mask
-from models.errors import UsageError
+from core.errors import UsageError
 from models.hooks import capture, decoder_layers, hook_name
 
 

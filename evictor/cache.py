@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from models.errors import UsageError
+from core.errors import UsageError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -35,7 +35,7 @@ from evictor.cache import EvictingCache, position_mask
 from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
 from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig, RoundPlan, plan_round, sequence_budgets
-from models.errors import UsageError
+from core.errors import UsageError
 from models.hooks import capture, decoder_layers, hook_name
 from models.loading import LoadedModel, attention_kernel
 from tasks.generation import stop_token_ids

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from models.errors import unknown_choice
+from core.errors import unknown_choice
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 TRIGGERS = ("interval", "step")
 PROTECTIONS = ("prompt", "sinks", "none")

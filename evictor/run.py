@@ -36,8 +36,8 @@ from evictor.protocol import (
     resolve_budget,
     sequence_budgets,
 )
-from models.cli import ArgumentParser, atomic_write, main_guard, non_negative_int, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import ArgumentParser, atomic_write, main_guard, non_negative_int, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 from models.loading import KERNELS
 from models.registry import DEFAULT_MODEL, REGISTRY
 
@@ -163,7 +163,7 @@ def _read_policy_config(path: str | None) -> dict | None:
 def _reference_lengths(path: str | None) -> dict[str, int] | None:
     if path is None:
         return None
-    from models.records import read_jsonl
+    from core.records import read_jsonl
 
     file = Path(path).expanduser()
     file = file / "generations.jsonl" if file.is_dir() else file
@@ -304,7 +304,7 @@ def _run(argv: list[str] | None) -> int:
 
     from tqdm import tqdm
 
-    from models.records import JsonlStore
+    from core.records import JsonlStore
     from tasks.grading import grade
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """kvscope figures: one plotting function and one CLI per figure, all drawn from plain tables.
 
 Each `plot_*` function takes a pandas DataFrame (or a dict of columns / list of records), validates it (a missing
-column or an empty table is a `models.errors.UsageError`), and returns a `matplotlib.figure.Figure`;
+column or an empty table is a `core.errors.UsageError`), and returns a `matplotlib.figure.Figure`;
 `figures.save.save_figure(fig, out_dir, stem)` writes PNG (200 dpi) and PDF. Each module also runs as
 `python -m figures.<module> --input TABLE --out DIR`. Input columns are in each function's docstring.
 

@@ -14,7 +14,7 @@ from figures.budgets import DENSE_POLICY, budget_axis, dense_line, dodged, split
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, new_figure, series_style
 from figures.tables import checked, in_order, require_ci, require_range, require_unique
-from models.errors import UsageError
+from core.errors import UsageError
 
 FIGURE = "accuracy_budget"
 COLUMNS = ("policy", "budget", "accuracy", "ci_low", "ci_high")

@@ -7,7 +7,7 @@ import pandas as pd
 from matplotlib.ticker import FixedLocator, NullLocator
 
 from figures.style import DENSE_COLOUR
-from models.errors import UsageError
+from core.errors import UsageError
 
 DENSE_POLICY = "full"
 DODGE_OCTAVES = 0.06  # horizontal offset between policies on the log2 budget axis, so error bars do not overlap

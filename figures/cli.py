@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from figures.save import save_figure
 from figures.tables import TABLE_SUFFIXES, read_table
-from models.cli import main_guard
+from core.cli import main_guard
 
 Draw = Callable[[pd.DataFrame, argparse.Namespace], Figure]
 

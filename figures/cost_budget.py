@@ -14,7 +14,7 @@ from figures.budgets import DENSE_POLICY, budget_axis, dense_line, dodged, split
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, memory_scale, new_figure, series_style
 from figures.tables import as_frame, checked, in_order
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 FIGURE = "cost_budget"
 TIME_COLUMNS = {"wall_s": "Wall-clock time per run (s)", "tokens_per_s": "Decode throughput (tokens/s)"}

@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 from figures.cli import figure_main, figure_parser
 from figures.style import OKABE_ITO, SEQUENTIAL_CMAP, figure_style, new_figure
 from figures.tables import checked, in_order, require_ci, require_range, require_unique
-from models.errors import UsageError
+from core.errors import UsageError
 
 FIGURE = "head_sets"
 COLUMNS = ("head_set", "n_heads", "retrieval", "ci_low", "ci_high")

@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator
 from figures.cli import figure_main, figure_parser
 from figures.style import OKABE_ITO, figure_style, new_figure
 from figures.tables import checked, require_range, require_unique
-from models.errors import UsageError
+from core.errors import UsageError
 
 FIGURE = "layer_geometry"
 COLUMNS = ("layer", "sigma_k", "sigma_v", "sink_rate")

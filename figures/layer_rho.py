@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 from figures.cli import figure_main, figure_parser
 from figures.style import NEGATIVE_SHADE, POSITIVE_SHADE, figure_style, new_figure, series_style
 from figures.tables import as_frame, checked, in_order, require_ci, require_unique
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 FIGURE = "layer_rho"
 COLUMNS = ("layer", "signal", "rho", "ci_low", "ci_high")

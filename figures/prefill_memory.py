@@ -16,7 +16,7 @@ from matplotlib.ticker import FixedLocator, NullLocator
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, kernel_label, memory_scale, new_figure, plain_log_axis, series_style
 from figures.tables import as_bool, checked, in_order, require_unique
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 FIGURE = "prefill_memory"
 MEMORY_COLUMNS = {"peak_mem_mb": "Peak memory", "forward_mem_mb": "Forward's own peak memory"}

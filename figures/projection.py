@@ -31,8 +31,8 @@ from figures.cli import figure_parser
 from figures.save import save_figure
 from figures.style import DENSE_COLOUR, figure_style, new_figure, plain_log_axis, series_style
 from figures.tables import checked
-from models.cli import atomic_write, main_guard, positive_int
-from models.errors import UsageError
+from core.cli import atomic_write, main_guard, positive_int
+from core.errors import UsageError
 
 FIGURE = "projection"
 GIB = 2**30

@@ -15,7 +15,7 @@ from figures.cli import figure_main, figure_parser
 from figures.layer_rho import add_stat_flag, as_layer_table
 from figures.style import OKABE_ITO, figure_style, new_figure
 from figures.tables import checked, in_order, require_ci, require_unique
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 FIGURE = "raw_vs_z"
 BAR_WIDTH = 0.4

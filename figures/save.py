@@ -7,8 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from models.cli import atomic_write
-from models.errors import UsageError
+from core.cli import atomic_write
+from core.errors import UsageError
 
 PNG_DPI = 200
 FORMATS = ("png", "pdf")

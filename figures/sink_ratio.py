@@ -16,7 +16,7 @@ from figures.labels import label_points
 from figures.reference import VALUEDIFF_TABLE4_LABEL, valuediff_reference
 from figures.style import OKABE_ITO, REFERENCE_GREY, REFERENCE_TEXT, figure_style, new_figure
 from figures.tables import checked, require_range, require_unique
-from models.errors import UsageError
+from core.errors import UsageError
 
 FIGURE = "sink_ratio"
 RATIO_LABEL = r"$\sigma_V / \sigma_K$ (value spread / key spread)"

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from models.errors import UsageError
-from models.records import read_jsonl
+from core.errors import UsageError
+from core.records import read_jsonl
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl")
 

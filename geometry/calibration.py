@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.errors import UsageError
+from core.errors import UsageError
 from tasks.datasets import load_problems
 
 CATEGORIES = ("narrative", "qa", "code", "math", "retrieval")

@@ -25,10 +25,10 @@ from geometry.calibration import CATEGORIES, calibration_digest, calibration_pro
 from geometry.measure import KEY_SPACES, MeasureSettings, layer_specs, measure_sequence, weight_norms
 from geometry.stats import JACCARD_MARGIN
 from geometry.summary import MODEL_COLUMNS, GeometryAccumulator, build_tables
-from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
-from models.errors import UsageError
+from core.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
+from core.errors import UsageError
 from models.loading import load_model
-from models.records import JsonlStore
+from core.records import JsonlStore
 from models.registry import DEFAULT_MODEL
 
 TABLES = ("heads_kv", "heads_q", "layers", "model")

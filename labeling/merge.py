@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 from labeling.occlusion import LABEL_IDENTITY
-from models.cli import ArgumentParser, atomic_write, main_guard, save_config
-from models.errors import UsageError
-from models.records import read_jsonl
+from core.cli import ArgumentParser, atomic_write, main_guard, save_config
+from core.errors import UsageError
+from core.records import read_jsonl
 
 _SHARD_CONFIG = re.compile(r"^config\.shard-(\d+)-of-(\d+)\.json$")
 

@@ -41,8 +41,8 @@ from typing import Any
 
 from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 from labeling.windows import DEFAULT_TAIL, Boundary, find_answer_boundary, occlude, occlusion_windows, position_labels
-from models.cli import ArgumentParser, main_guard, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import ArgumentParser, main_guard, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 
 REPLACEMENTS = ("pad", "space", "dot", "delete")
 METHODS = ("fast", "naive")
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_traces(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    from models.records import read_jsonl
+    from core.records import read_jsonl
 
     if not path.is_file():
         raise UsageError(f"--traces {str(path)!r} does not exist")
@@ -380,7 +380,7 @@ def _run(argv: list[str] | None) -> int:
 def _label_all(args, lm, eligible, out, suffix, identity, replacement, answer_of, same, stop_ids) -> int:
     from tqdm import tqdm
 
-    from models.records import JsonlStore
+    from core.records import JsonlStore
 
     labeler = OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer, answer_of=answer_of, same=same,
                                stop_ids=stop_ids, replacement=replacement, window=args.window, stride=args.stride,

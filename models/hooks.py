@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 # Output layouts of the modules a hook reads. "flat": [b, pos, heads*d]; "bphd": [b, pos, heads, d];
 # "bhpd": [b, heads, pos, d]. Everything is returned as [b, heads, pos, d].

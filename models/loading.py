@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 from models.registry import DEFAULT_MODEL, REGISTRY, cache_root, sha256_file
 
 log = logging.getLogger(__name__)

@@ -43,8 +43,8 @@ import psutil
 import torch
 from transformers import PreTrainedModel
 
-from models.cli import atomic_write, main_guard, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import atomic_write, main_guard, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 from models.loading import LoadedModel, attention_kernel, load_model
 
 MB = 2**20

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.errors import UsageError
+from core.errors import UsageError
 
 DEFAULT_MODEL = "smollm2-135m"
 

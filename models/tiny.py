@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
-from models.errors import unknown_choice
+from core.errors import unknown_choice
 from models.loading import LoadedModel, choose_kernel
 
 TINY_FAMILIES = ("llama", "qwen3", "gemma3")

@@ -30,7 +30,7 @@ import torch
 from IPython.display import Image, Markdown, display
 
 from figures.save import save_figure
-from models.records import read_jsonl
+from core.records import read_jsonl
 
 # One thread: on a shared or small CPU, torch's spinning worker threads cost far more than they give.
 torch.set_num_threads(torch_threads)

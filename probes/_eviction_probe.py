@@ -53,10 +53,10 @@ from evictor.protocol import (
     plan_round,
     sequence_budgets,
 )
-from models.cli import atomic_write, positive_int
-from models.errors import UsageError
+from core.cli import atomic_write, positive_int
+from core.errors import UsageError
 from models.loading import KERNELS
-from models.records import read_jsonl
+from core.records import read_jsonl
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.prompts import uses_chat_template
 from validation.paired import bootstrap_means, percentile_interval

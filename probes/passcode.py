@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.cli import main_guard, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import main_guard, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 from probes._eviction_probe import (
     CHANCE,
     Distance,
@@ -118,7 +118,7 @@ def _run(argv: list[str] | None) -> int:
 
     from tqdm import tqdm
 
-    from models.records import JsonlStore
+    from core.records import JsonlStore
 
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, {"identity": identity, "command": sys.argv, "n": args.n, "policies": policies,

@@ -42,8 +42,8 @@ import torch
 
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs
 from evictor.protocol import sequence_budgets
-from models.cli import main_guard, save_config
-from models.errors import UsageError
+from core.cli import main_guard, save_config
+from core.errors import UsageError
 from probes._eviction_probe import (
     CHANCE,
     InstanceBuilder,
@@ -301,7 +301,7 @@ def _run(argv: list[str] | None) -> int:
 
     from tqdm import tqdm
 
-    from models.records import JsonlStore
+    from core.records import JsonlStore
 
     out.mkdir(parents=True, exist_ok=True)
     save_config(out, {"identity": identity, "command": sys.argv, "n": args.n, "loaded_model": lm.describe(),

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.errors import UsageError, unknown_choice
-from models.records import read_jsonl
+from core.errors import UsageError, unknown_choice
+from core.records import read_jsonl
 
 DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 

@@ -20,8 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from models.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
-from models.errors import UsageError
+from core.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
+from core.errors import UsageError
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
 
@@ -157,7 +157,7 @@ def _run(argv: list[str] | None) -> int:
     from tqdm import tqdm
 
     from models.loading import load_model
-    from models.records import JsonlStore
+    from core.records import JsonlStore
     from tasks.generation import generate
     from tasks.grading import grade
     from tasks.prompts import build_prompt_ids, uses_chat_template

@@ -18,7 +18,7 @@ from evictor.engine import FROZEN, EvictionEngine, select_slots
 from evictor.instrument import kept_positions
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
 from evictor.protocol import EvictionConfig, plan_round, resolve_budget, sequence_budgets
-from models.errors import UsageError
+from core.errors import UsageError
 from models.tiny import tiny_model
 from tasks.generation import stop_token_ids
 

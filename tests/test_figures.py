@@ -27,7 +27,7 @@ from figures.save import save_figure
 from figures.sink_ratio import plot_sink_vs_ratio
 from figures.style import SMALL_FONT_PT
 from figures.tables import read_table
-from models.errors import UsageError
+from core.errors import UsageError
 
 
 # ---------------------------------------------------------------- synthetic inputs, one per figure

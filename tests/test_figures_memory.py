@@ -8,7 +8,7 @@ import torch
 
 from figures.prefill_memory import plot_prefill_memory
 from models import memory
-from models.errors import UsageError
+from core.errors import UsageError
 from models.memory import MB, attention_map_bytes, prefill_peak_memory
 from models.tiny import tiny_model
 

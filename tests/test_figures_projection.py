@@ -8,7 +8,7 @@ import pytest
 from figures.projection import (
     EPIKV_SETTING, concurrent_requests, kv_bytes_per_token, main, plot_projection, projection_table,
 )
-from models.errors import UsageError
+from core.errors import UsageError
 
 LLAMA_8B = {"n_layers": 32, "n_kv_heads": 8, "d_head": 128, "bytes_per_elem": 2}
 

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from geometry.calibration import CATEGORIES, calibration_digest, calibration_prompts
-from models.errors import UsageError
+from core.errors import UsageError
 from models.tiny import tiny_tokenizer
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from models.errors import UsageError
+from core.errors import UsageError
 from models.hooks import ATTN_HOOKS, RESID_HOOKS, all_hook_names, capture, decoder_layers, hook_name
 from models.tiny import tiny_model
 

@@ -13,7 +13,7 @@ from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, rege
 from labeling import speculative
 from labeling.speculative import NgramLookup, _compact, _join, speculative_greedy
 from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
-from models.errors import UsageError
+from core.errors import UsageError
 from models.tiny import tiny_model, tiny_tokenizer
 
 @pytest.fixture(autouse=True, scope="module")

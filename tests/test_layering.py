@@ -1,6 +1,6 @@
-"""The data-flow rule of DEVELOPERS.md: a package imports only from packages upstream of it.
+"""The data-flow rule (CONTRIBUTING.md): a package imports only from packages upstream of it.
 
-models -> tasks -> probes / geometry -> labeling -> validation -> evictor -> figures. The planted-fact and passcode
+core -> models -> tasks -> probes / geometry -> labeling -> validation -> evictor -> figures -> study. The planted-fact and passcode
 probes are eviction experiments and the one sanctioned exception: they drive the evictor, so they sit where the
 evictor does and may use everything upstream of it.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RANK = {"models": 0, "tasks": 1, "probes": 2, "geometry": 2, "labeling": 3, "validation": 4, "evictor": 5, "figures": 6}
+RANK = {"core": 0, "models": 1, "tasks": 2, "probes": 3, "geometry": 3, "labeling": 4, "validation": 5, "evictor": 6,
+        "figures": 7, "study": 8}
 EVICTION_EXPERIMENTS = {"probes/planted_fact.py", "probes/passcode.py", "probes/_eviction_probe.py"}
 
 

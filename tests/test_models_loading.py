@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models import loading
-from models.errors import UsageError
+from core.errors import UsageError
 from models.loading import load_model
 from models.registry import REGISTRY, cache_root
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evictor.policy import policy_names
-from models.errors import UsageError
+from core.errors import UsageError
 from probes.passcode import main, parse_policies
 
 REPO = Path(__file__).resolve().parents[1]

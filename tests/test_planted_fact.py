@@ -18,7 +18,7 @@ import torch
 from evictor.engine import EvictionEngine
 from evictor.policy import ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig
-from models.errors import UsageError
+from core.errors import UsageError
 from probes._eviction_probe import (
     Distance,
     InstanceBuilder,

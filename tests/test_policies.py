@@ -12,7 +12,7 @@ import torch
 
 from evictor.policies.__main__ import main as cli_main
 from evictor.policy import ObserveInputs, ScoreInputs, get_policy, policy_names
-from models.errors import UsageError
+from core.errors import UsageError
 from probes.signals.kv import lag_normalised_variance
 
 # One sequence, one KV head, four candidates (the ValueDiff example): mean (1, .125)

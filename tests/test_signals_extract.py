@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from models.errors import UsageError
+from core.errors import UsageError
 from models.hooks import capture
 from models.tiny import tiny_model
 from probes.signals import kv as kv_scores

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from models.errors import UsageError
+from core.errors import UsageError
 from tasks import datasets as tasks_datasets
 from tasks.datasets import DATASETS, Problem, gsm8k_gold, load_problems, resolve_source
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.errors import UsageError
+from core.errors import UsageError
 from validation.bands import Band, choose_layers, combined_score, find_bands, policy_config
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from models.errors import UsageError
+from core.errors import UsageError
 from validation.paired import (
     accuracy_interval,
     bootstrap_means,

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from models.errors import UsageError
+from core.errors import UsageError
 from validation.signals import align, load_aligned, parse_signal_name, read_labels, read_signals
 
 

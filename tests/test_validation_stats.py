@@ -10,7 +10,7 @@ from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.proportion import proportion_confint
 
-from models.errors import UsageError
+from core.errors import UsageError
 from validation.stats import (
     RunningMoments,
     adjust_pvalues,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 BAND_LAYER_MODES = ("peak", "all")
 

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from models.cli import main_guard, non_negative_int, positive_int, save_config
-from models.errors import UsageError, unknown_choice
-from models.records import read_jsonl
+from core.cli import main_guard, non_negative_int, positive_int, save_config
+from core.errors import UsageError, unknown_choice
+from core.records import read_jsonl
 from validation.paired import accuracy_interval, compare_paired
 from validation.report import fmt, write_csv, write_json
 

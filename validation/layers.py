@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.cli import main_guard, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import main_guard, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 from validation.bands import BAND_LAYER_MODES, Band, choose_layers, combined_score, find_bands, policy_config
 from validation.correlation import informative_traces, rank_scorers, signal_table
 from validation.report import fmt, write_csv, write_json

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats as sps
 
-from models.errors import UsageError
+from core.errors import UsageError
 from validation.stats import wilson_interval
 
 # Bootstrap replicates are drawn in blocks so the [block, n_problems] index matrix stays around this many entries.

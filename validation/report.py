@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from models.cli import atomic_write
+from core.cli import atomic_write
 
 
 def jsonable(value: Any) -> Any:

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.errors import UsageError, unknown_choice
-from models.records import read_jsonl
+from core.errors import UsageError, unknown_choice
+from core.records import read_jsonl
 
 _LAYERED = re.compile(r"^(?P<family>[A-Za-z][\w]*?)[._]l(?P<layer>\d+)(?:[._](?P<transform>\w+))?$")
 

@@ -14,7 +14,7 @@ import numpy as np
 from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 
 CORRECTIONS = (
     "none",

@@ -13,8 +13,8 @@ import json
 from typing import Any
 
 from evictor.policy import POLICIES, Policy, get_policy, policy_names
-from models.cli import main_guard
-from models.errors import unknown_choice
+from core.cli import main_guard
+from core.errors import unknown_choice
 
 
 def reads(policy: Policy) -> str:

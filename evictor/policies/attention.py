@@ -9,7 +9,7 @@ import torch
 
 from evictor.policies._inputs import require, uniform
 from evictor.policy import Needs, Policy, ScoreInputs, register_policy
-from models.errors import UsageError
+from core.errors import UsageError
 from probes.signals import attention as att
 from probes.signals.kv import distance_to_mean, mean_cosine_to_others, value_range
 

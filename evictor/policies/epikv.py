@@ -14,7 +14,7 @@ import torch
 
 from evictor.policies._inputs import broadcast_frozen, require
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, register_policy
-from models.errors import UsageError
+from core.errors import UsageError
 from probes.signals.hidden import RollingStats, hidden_diffs
 from probes.signals.kv import DEFAULT_LAG_CHUNK, LagNormaliser, head_dim_variance
 

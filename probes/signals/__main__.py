@@ -14,8 +14,8 @@ import math
 import sys
 from pathlib import Path
 
-from models.cli import ArgumentParser, main_guard, positive_int, save_config
-from models.errors import UsageError, unknown_choice
+from core.cli import ArgumentParser, main_guard, positive_int, save_config
+from core.errors import UsageError, unknown_choice
 from probes.signals.extract import ATTENTION_SIGNALS, DEFAULT_SIGNALS, SIGNALS, check_signals, resolve_layers
 from probes.signals.hidden import DEFAULT_EPS, DEFAULT_WINDOW, SMOOTHINGS, band_score, smooth
 
@@ -57,7 +57,7 @@ def _json_values(tensor) -> list[float | None]:
 
 
 def _run(argv: list[str] | None) -> int:
-    from models.records import read_jsonl
+    from core.records import read_jsonl
 
     args = build_parser().parse_args(argv)
     signals = check_signals(s.strip() for s in args.signals.split(",") if s.strip())
@@ -102,7 +102,7 @@ def _run(argv: list[str] | None) -> int:
 
     from tqdm import tqdm
 
-    from models.records import JsonlStore
+    from core.records import JsonlStore
     from probes.signals.extract import teacher_forced_signals
 
     out = Path(args.out)

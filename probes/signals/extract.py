@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from models.errors import UsageError, unknown_choice
+from core.errors import UsageError, unknown_choice
 from models.hooks import capture, decoder_layers, hook_name
 from probes.signals import attention as attn_scores
 from probes.signals import kv as kv_scores

@@ -1,7 +1,7 @@
 """User-facing errors shared by every kvscope CLI.
 
 A `UsageError` is bad input the user can fix (an unknown name, a value out of range). CLIs catch it in
-`models.cli.main_guard`, print its single line and exit with status 2, so no stack trace reaches the user.
+`core.cli.main_guard`, print its single line and exit with status 2, so no stack trace reaches the user.
 """
 
 from __future__ import annotations

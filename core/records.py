@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
-from models.errors import UsageError
+from core.errors import UsageError
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
@@ -65,6 +66,8 @@ class JsonlStore:
         if good_bytes != len(raw):
             with self.path.open("r+b") as handle:
                 handle.truncate(good_bytes)
+            print(f"{self.path}: dropped a torn last line ({len(raw) - good_bytes} bytes) left by an interrupted "
+                  "run; that record will be made again", file=sys.stderr)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.done

@@ -1,0 +1,171 @@
+"""The command-line contract every kvscope CLI shares: one-line errors with exit status 2, argument types, atomic
+output files.
+
+A CLI's ``main`` is ``main_guard(_run)``: a `UsageError` raised anywhere in ``_run`` (bad flag, bad file, unknown
+name, an output directory in use) becomes one line ``<module>: error: <message>`` on stderr and exit status 2, with
+no traceback and, because every stage checks its input before it writes (`core.rundir`), no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from core.errors import UsageError
+
+USAGE_EXIT_CODE = 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def main_guard(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+    """Wrap a CLI `main` so a `UsageError` becomes one line on stderr and exit status 2."""
+
+    def guarded(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv) or 0
+        except UsageError as err:
+            print(f"{program_name()}: error: {err}", file=sys.stderr)
+            return USAGE_EXIT_CODE
+
+    return guarded
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are `UsageError`s, so `main_guard` prints one line and exits with status 2
+    (plain argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def program_name() -> str:
+    """`python -m evictor.run` -> "evictor.run" (argv[0] would only say run.py or __main__.py)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name.removesuffix(".__main__")
+    return Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "kvscope"
+
+
+def _number(text: str, kind: type) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (budgets, limits, block sizes)."""
+    value = _number(text, int)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for counts that may be 0."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type for temperatures and other finite quantities >= 0."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """argparse type for a probability or fraction in (0, 1] (top-p, confidence levels)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def device(text: str) -> str:
+    """argparse type for ``--device``: a torch device this machine has (cpu, cuda, cuda:N, mps)."""
+    import torch
+
+    try:
+        parsed = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; valid choices: {', '.join(available_devices())}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; valid choices: "
+                                             f"{', '.join(available_devices())}")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; valid choices: "
+                                         f"{', '.join(available_devices())}")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: kvscope runs on {', '.join(available_devices())}")
+    return text
+
+
+def available_devices() -> list[str]:
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, *, dtype_default: str | None = None) -> None:
+    """``--device`` and ``--dtype``, validated the same way by every CLI that loads a model."""
+    parser.add_argument("--device", type=device, default=None,
+                        help="torch device: cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
+    default_text = dtype_default or "bfloat16 on CUDA, float32 on CPU"
+    parser.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"weights dtype (default: {default_text})")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Write `path` through a temporary file in the same directory, renamed into place only on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+        # mkstemp creates owner-only files; results are meant to be shared like any other file the user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """`data` as indented JSON, written atomically."""
+    with atomic_write(path) as handle:
+        json.dump(data, handle, indent=2, sort_keys=True, default=str)
+        handle.write("\n")
+    return Path(path)
+
+
+def save_config(out_dir: str | os.PathLike, config: dict[str, Any], name: str = "config.json") -> Path:
+    """Save a resolved configuration next to a run's outputs (stages with a `core.rundir.RunDir` use its method)."""
+    return write_json(Path(out_dir) / name, config)
