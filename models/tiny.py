@@ -7,6 +7,7 @@ BPE with no merges plus chat special tokens, so any text round-trips and chat te
 
 from __future__ import annotations
 
+import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -75,3 +76,11 @@ def tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
     model.eval()
     return LoadedModel(model, tiny_tokenizer(), f"tiny-{family}", f"random-init seed={seed}", 0.0, {"seed": seed})
+
+
+def save_tiny_model(family: str, path: str | os.PathLike, *, seed: int = 0) -> str:
+    """A tiny model of `family` saved as a local HuggingFace directory, so CLIs load it by path like any model."""
+    lm = tiny_model(family, seed=seed)
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return str(path)

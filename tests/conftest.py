@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("KVSCOPE_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 from models.loading import load_model  # noqa: E402
-from models.tiny import TINY_FAMILIES, tiny_model  # noqa: E402
+from models.tiny import TINY_FAMILIES, save_tiny_model, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=TINY_FAMILIES)
@@ -29,6 +29,22 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_gemma3():
     return tiny_model("gemma3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of many small forwards (request it with ``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    one thread avoids oversubscribing a CPU that other jobs share."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny Llama as a local HuggingFace directory."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

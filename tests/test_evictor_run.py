@@ -12,19 +12,9 @@ import pytest
 
 from evictor.instrument import kept_positions
 from evictor.run import main
-from models.tiny import tiny_model
 
 TASKS_RUN_FIELDS = {"id", "dataset", "model", "prompt_ids", "generated_ids", "text", "answer", "gold", "correct",
                     "finish_reason", "empty_output", "no_answer", "timings"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    lm = tiny_model("llama", seed=0)
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from geometry.survey import main
-from models.tiny import tiny_model
+from models.tiny import save_tiny_model
 
 SMALL = ["--prompts", "3", "--ctx", "90", "--topk", "4", "--queries", "8"]
 
@@ -22,11 +22,7 @@ def _offline_data(data_dir, monkeypatch):
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def tiny_dir(request, tmp_path_factory):
     """A tiny model saved as a HuggingFace directory, so the CLI loads it like any local model."""
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    loaded = tiny_model(request.param, seed=0)
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
 def _records(out):

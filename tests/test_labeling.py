@@ -16,13 +16,7 @@ from labeling.windows import find_answer_boundary, occlude, occlusion_windows, p
 from core.errors import UsageError
 from models.tiny import tiny_model, tiny_tokenizer
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many tiny forwards: one thread avoids oversubscribing the shared 2-core machine (10x faster there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPT = "<|bos|><|user|>What is 6*7?<|eos|><|assistant|>"

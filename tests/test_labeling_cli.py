@@ -5,29 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from labeling.merge import main as merge_main
 from labeling.occlusion import main
-from models.tiny import tiny_model
+from models.tiny import tiny_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory):
+def traces(tmp_path_factory, tiny_dir):
     """Three tiny-Llama traces (saved model directory), two marked correct."""
-    lm = tiny_model("llama", seed=0)
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    lm.model.save_pretrained(model_dir)
-    lm.tokenizer.save_pretrained(model_dir)
-    tok = lm.tokenizer
+    model_dir = tiny_dir
+    tok = tiny_tokenizer()
     prompt = tok.encode("<|bos|><|user|>What is 6*7?<|eos|><|assistant|>")
     rows = []
     for i, correct in enumerate([True, False, True]):

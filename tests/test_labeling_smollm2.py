@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from labeling.occlusion import OcclusionLabeler, main
 from tasks.datasets import Problem, load_problems
@@ -16,12 +15,7 @@ from tasks.prompts import build_prompt_ids
 pytestmark = pytest.mark.realmodel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _labeler(lm, method, **kw):

@@ -22,29 +22,13 @@ from probes.signals.extract import (
 from probes.signals.hidden import hidden_diffs, resid_post_name
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many small forwards: one thread avoids oversubscribing a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny Llama saved as a local HF directory, so CLIs can load it by path."""
-    lm = tiny_model("llama", seed=0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_traces(tmp_path_factory, tiny_model_dir):
+def tiny_traces(tmp_path_factory, tiny_dir):
     path = tmp_path_factory.mktemp("traces") / "generations.jsonl"
-    rows = [{"id": f"t{i}", "model": str(tiny_model_dir), "dataset": "gsm8k", "prompt_ids": list(range(40, 50 + i)),
+    rows = [{"id": f"t{i}", "model": str(tiny_dir), "dataset": "gsm8k", "prompt_ids": list(range(40, 50 + i)),
              "generated_ids": list(range(60, 80))} for i in range(2)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -142,11 +126,11 @@ def test_smollm2_streaming_hidden_diff_equals_teacher_forced(smollm2):
     assert worst < 1e-4, worst
 
 
-def test_cli_writes_signals_and_resumes(tmp_path, tiny_model_dir, tiny_traces):
+def test_cli_writes_signals_and_resumes(tmp_path, tiny_dir, tiny_traces):
     from probes.signals.__main__ import main
 
     out = tmp_path / "signals.jsonl"
-    argv = ["--traces", str(tiny_traces), "--model", str(tiny_model_dir), "--layers", "1,3",
+    argv = ["--traces", str(tiny_traces), "--model", str(tiny_dir), "--layers", "1,3",
             "--signals", "hidden_diff,key_norm", "--smoothing", "mean", "--window", "4", "--bands", "1,3",
             "--out", str(out)]
     assert main(argv) == 0
@@ -163,11 +147,11 @@ def test_cli_writes_signals_and_resumes(tmp_path, tiny_model_dir, tiny_traces):
     assert len(out.read_text().splitlines()) == 2
 
 
-def test_cli_bad_input_exits_2_without_output(tmp_path, tiny_model_dir, tiny_traces, capsys):
+def test_cli_bad_input_exits_2_without_output(tmp_path, tiny_dir, tiny_traces, capsys):
     from probes.signals.__main__ import main
 
     out = tmp_path / "x" / "signals.jsonl"
-    base = ["--traces", str(tiny_traces), "--model", str(tiny_model_dir), "--out", str(out)]
+    base = ["--traces", str(tiny_traces), "--model", str(tiny_dir), "--out", str(out)]
     assert main(base + ["--signals", "hidden_dif"]) == 2
     assert "hidden_diff" in capsys.readouterr().err
     assert main(base + ["--layers", "9"]) == 2

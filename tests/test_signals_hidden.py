@@ -24,13 +24,7 @@ from probes.signals.hidden import (
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many small forwards: one thread avoids oversubscribing a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hidden_diff_is_the_l2_norm_of_the_change():

@@ -11,23 +11,12 @@ from pathlib import Path
 import pytest
 
 import tasks.generation
-from models.tiny import tiny_model
 from tasks.generation import GenerationResult
 from tasks.run import format_table, main, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = {"id", "dataset", "model", "prompt_ids", "generated_ids", "text", "answer", "gold", "correct", "finish_reason",
           "empty_output", "no_answer", "timings"}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random model saved as a local HF directory, so the CLI can load it by path."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    lm = tiny_model("llama", seed=0)
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture
