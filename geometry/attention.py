@@ -1,4 +1,4 @@
-"""One layer's causal attention, recomputed from post-RoPE queries and keys in chunks of query rows.
+"""One layer's causal attention, recomputed (`models.attention`) from post-RoPE queries and keys in chunks of rows.
 
 The survey never asks a model for all its attention maps at once (``output_attentions`` holds every layer's
 ``[heads, T, T]`` map in memory). Instead each layer's map is rebuilt here a block of query rows at a time and
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from models.attention import attention_logits, visible_by_position
 
 
 @dataclass
@@ -31,32 +33,20 @@ def layer_attention(
 ) -> LayerAttention:
     """Causal (optionally sliding-window, soft-capped) attention of one sequence, reduced as described above.
 
-    queries ``[q_head, T, d]`` and keys ``[kv_head, T, d]`` are post-RoPE; query head h reads KV head
-    ``h // (q_head / kv_head)`` (grouped-query attention, as ``repeat_kv`` does). Logits are
-    ``softcap * tanh(q.k * scaling / softcap)`` when `softcap` is set; query t sees keys s with
-    ``t - window < s <= t`` (``s <= t`` without a window), matching transformers' masks. `sampled` ``[n]`` lists
-    the query rows whose logits are kept.
+    queries ``[q_head, T, d]`` and keys ``[kv_head, T, d]`` are post-RoPE, at positions ``0..T-1``; the logits,
+    grouping and masks are `models.attention`'s. `sampled` ``[n]`` lists the query rows whose logits are kept.
     """
-    n_q, n_tokens, d_head = queries.shape
-    n_kv = keys.shape[0]
-    group = n_q // n_kv
-    grouped_queries = queries.float().view(n_kv, group, n_tokens, d_head)
-    keys = keys.float()
+    n_q, n_tokens, _ = queries.shape
     device = queries.device
     first_column = torch.empty(n_q, n_tokens, device=device)
     sampled_logits = torch.full((n_q, len(sampled), n_tokens), float("-inf"), device=device)
     sampled = sampled.to(device)
-    key_pos = torch.arange(n_tokens, device=device)
+    positions = torch.arange(n_tokens, device=device)[None]
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)  # causal: rows < stop never see keys >= stop
-        query_pos = torch.arange(start, stop, device=device)
-        logits = grouped_queries[:, :, start:stop] @ keys[:, None, :stop].transpose(-1, -2) * scaling
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        hidden = key_pos[None, :stop] > query_pos[:, None]  # [rows, keys]
-        if window is not None:
-            hidden |= key_pos[None, :stop] <= query_pos[:, None] - window
-        logits = logits.masked_fill(hidden, float("-inf")).view(n_q, stop - start, stop)
+        visible = visible_by_position(positions[:, start:stop], positions[:, :stop], window)
+        logits = attention_logits(queries[None, :, start:stop], keys[None, :, :stop], scaling=scaling, softcap=softcap,
+                                  visible=visible)[0]  # [q_head, rows, stop]
         first_column[:, start:stop] = (logits[..., 0] - logits.logsumexp(dim=-1)).exp()
         in_chunk = (sampled >= start) & (sampled < stop)
         sampled_logits[:, in_chunk, :stop] = logits[:, sampled[in_chunk] - start]

@@ -1,10 +1,9 @@
 """Model-driven measurements: one forward per calibration sequence, reduced layer by layer to KV-geometry statistics.
 
-A forward records each layer's queries, keys and values through the canonical hooks (pre-RoPE) and the
-``(cos, sin)`` rotary tables the layer's attention module receives; the module's own ``apply_rotary_pos_emb``
-then gives the post-RoPE queries and keys the attention kernel used. Each layer's attention is recomputed from
-those in chunks of query rows (`geometry.attention`), reduced to the statistics and discarded before the next
-layer, so no ``[layers, heads, T, T]`` tensor ever exists.
+A forward records each layer's post-RoPE queries and keys (``attn.hook_rot_q|rot_k``: rotated by the attention
+module's own RoPE), pre-RoPE keys and values through the canonical hooks. Each layer's attention is recomputed
+from those (`models.attention`) in chunks of query rows (`geometry.attention`), reduced to the statistics and
+discarded before the next layer, so no ``[layers, heads, T, T]`` tensor ever exists.
 
 Keys are the post-RoPE keys the KV cache stores (what KeyDiff-style eviction scores see) unless
 ``key_space="pre_rope"``. The leading token is position 0, whatever the tokenizer put there (a BOS token for
@@ -13,8 +12,6 @@ Gemma3; the first text token for SmolLM2, whose tokenizer adds no BOS).
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,23 +19,20 @@ import torch
 from torch import nn
 
 from geometry.attention import layer_attention
-from geometry.stats import bos_cosine, dispersion, jaccard_stability, leading_token_attention, query_positions
-from geometry.stats import top_singular_value
-from models.hooks import capture, decoder_layers, hook_name
+from geometry.stats import (
+    bos_cosine,
+    dispersion,
+    jaccard_stability,
+    leading_token_attention,
+    query_positions,
+    top_singular_value,
+)
+from models.attention import LayerSpec
+from models.hooks import capture, decoder_layers, hook_name, layer_specs
 
 KEY_SPACES = ("post_rope", "pre_rope")
-FULL_ATTENTION = "full_attention"
 KV_FIELDS = ("sigma_k", "sigma_v", "bos_cos", "sigma1_k", "sigma1_v")  # per (layer, KV head)
 Q_FIELDS = ("alpha_bos", "jaccard")  # per (layer, query head)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    index: int
-    kind: str  # config.layer_types entry ("full_attention", "sliding_attention", ...)
-    window: int | None
-    scaling: float
-    softcap: float | None
 
 
 @dataclass(frozen=True)
@@ -47,27 +41,6 @@ class MeasureSettings:
     n_queries: int = 128
     key_space: str = "post_rope"
     chunk: int = 256
-
-
-def layer_specs(model: nn.Module) -> list[LayerSpec]:
-    """What each layer's attention does, read from its attention module (transformers' own attributes)."""
-    config = model.config
-    kinds = getattr(config, "layer_types", None) or [FULL_ATTENTION] * config.num_hidden_layers
-    specs = []
-    for index, layer in enumerate(decoder_layers(model)):
-        attn = layer.self_attn
-        specs.append(
-            LayerSpec(
-                index=index,
-                kind=kinds[index],
-                window=getattr(attn, "sliding_window", None),
-                scaling=float(attn.scaling),
-                # Gemma2 applies this cap; transformers' Gemma3 keeps the attribute but ignores it (its released
-                # configs set none), so a Gemma3 config with a cap would be capped here and not in the model.
-                softcap=getattr(attn, "attn_logit_softcapping", None),
-            )
-        )
-    return specs
 
 
 def weight_norms(model: nn.Module) -> dict[str, list]:
@@ -87,28 +60,6 @@ def weight_norms(model: nn.Module) -> dict[str, list]:
     return norms
 
 
-@contextlib.contextmanager
-def _rotary_tables(model: nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Record the (cos, sin) each attention module is called with; Gemma3 uses different tables per layer kind."""
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def recorder(index):
-        def hook(module, args, kwargs):
-            tables[index] = kwargs["position_embeddings"]
-
-        return hook
-
-    handles = [
-        layer.self_attn.register_forward_pre_hook(recorder(index), with_kwargs=True)
-        for index, layer in enumerate(decoder_layers(model))
-    ]
-    try:
-        yield tables
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Run one forward on ``input_ids`` ``[1, T]`` and yield, layer by layer, the tensors attention used.
 
@@ -117,20 +68,15 @@ def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tupl
     requested.
     """
     n_layers = model.config.num_hidden_layers
-    points = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
-    names = [hook_name(layer, point) for layer in range(n_layers) for point in points]
-    with torch.no_grad(), _rotary_tables(model) as tables, capture(model, names) as captured:
+    points = {"q": "attn.hook_rot_q", "k": "attn.hook_rot_k", "k_pre": "attn.hook_k", "v": "attn.hook_v"}
+    names = [hook_name(layer, point) for layer in range(n_layers) for point in points.values()]
+    with torch.no_grad(), capture(model, names) as captured:
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-    layers = decoder_layers(model)
     for layer in range(n_layers):
-        attn = layers[layer].self_attn
-        apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        q, k, v = (captured[hook_name(layer, point)] for point in points)
-        cos, sin = tables[layer]
-        q_rot, k_rot = apply_rotary(q, k, cos, sin)
-        for point in points:
+        tensors = {key: captured[hook_name(layer, point)][0] for key, point in points.items()}
+        for point in points.values():
             captured.calls(hook_name(layer, point)).clear()
-        yield layer, {"q": q_rot[0], "k": k_rot[0], "k_pre": k[0], "v": v[0]}
+        yield layer, tensors
 
 
 def measure_sequence(model: nn.Module, input_ids: torch.Tensor, settings: MeasureSettings) -> dict[str, list]:
@@ -142,7 +88,7 @@ def measure_sequence(model: nn.Module, input_ids: torch.Tensor, settings: Measur
     """
     n_tokens = input_ids.shape[-1]
     sampled = query_positions(n_tokens, settings.topk, settings.n_queries)
-    specs = layer_specs(model)
+    specs: list[LayerSpec] = layer_specs(model)
     result: dict[str, list] = {name: [] for name in KV_FIELDS + Q_FIELDS}
     for layer, tensors in attention_inputs(model, input_ids):
         spec = specs[layer]

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from geometry.measure import KV_FIELDS, LayerSpec
+from geometry.measure import KV_FIELDS
+from models.attention import LayerSpec
 
 MODEL_COLUMNS = (
     "model", "scope", "layers", "sink_rate", "sigma_k", "sigma_v", "sigma_ratio", "alpha_bos", "bos_cos",

@@ -10,9 +10,19 @@ Names (shapes are those of the captured tensors):
   are pre-RoPE
 - ``blocks.{l}.attn.hook_cache_k|v`` ``[batch, kv_head, pos, d_head]`` exactly what the attention layer hands the
   KV cache to store (post-RoPE keys), for the tokens of this forward
+- ``blocks.{l}.attn.hook_rot_q``  ``[batch, q_head, pos, d_head]``  query after RoPE: ``hook_q`` rotated by the
+  attention module's own ``apply_rotary_pos_emb`` with the ``(cos, sin)`` the module received
+- ``blocks.{l}.attn.hook_rot_k``  ``[batch, kv_head, pos, d_head]`` key after RoPE, likewise (equals
+  ``hook_cache_k``, but needs no cache)
+- ``blocks.{l}.attn.hook_pattern`` ``[batch, q_head, query_pos, key_pos]`` float32 attention probabilities of this
+  forward's queries over every key the layer attended to (the cache's keys, when the forward has a cache, in the
+  cache's order), recomputed by `models.attention` from ``hook_rot_q``, those keys and the mask the module received,
+  under any kernel. They equal the eager kernel's ``attn_weights``, except that a query that sees no key (a padding
+  row) reads zeros. Each forward has its own key axis, so a capture of several forwards is read with ``calls``.
 
-One declarative table per model family maps each name to a module path and the layout of that module's output.
-The cache hooks are recorded by wrapping, for the duration of the context only, the ``update`` method of the cache
+One declarative table per model family maps each projection name to a module path and the layout of that module's
+output (`models.attention.ATTENTION_RULES` holds the family's attention facts). The cache hooks (and the keys of
+``hook_pattern``) are recorded by wrapping, for the duration of the context only, the ``update`` method of the cache
 *instance* the attention layers receive; nothing is patched on a class or at import time.
 """
 
@@ -28,6 +38,7 @@ import torch
 from torch import nn
 
 from core.errors import UsageError, unknown_choice
+from models.attention import LayerSpec, attention_probabilities, layer_spec, rotate, visible_from_module_mask
 
 # Output layouts of the modules a hook reads. "flat": [b, pos, heads*d]; "bphd": [b, pos, heads, d];
 # "bhpd": [b, heads, pos, d]. Everything is returned as [b, heads, pos, d].
@@ -63,12 +74,16 @@ HOOK_TABLES: dict[str, tuple[str, dict[str, HookPoint]]] = {
     "mistral": ("model.layers", _LLAMA_LIKE),
     "qwen2": ("model.layers", _LLAMA_LIKE),
     "qwen3": ("model.layers", _QK_NORM_BPHD),
+    "gemma2": ("model.layers", _LLAMA_LIKE),
     "gemma3_text": ("model.layers", _QK_NORM_BHPD),
 }
 
 RESID_HOOKS = ("hook_resid_pre", "hook_resid_post")
 ATTN_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v")
-_NAME = re.compile(r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_post|attn\.hook_(?:q|k|v|cache_k|cache_v))$")
+DERIVED_HOOKS = ("attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_pattern")  # computed, not read off a module
+_NAME = re.compile(
+    r"^blocks\.(\d+)\.(hook_resid_pre|hook_resid_post|attn\.hook_(?:q|k|v|cache_k|cache_v|rot_q|rot_k|pattern))$"
+)
 
 
 def hook_name(layer: int, point: str) -> str:
@@ -78,7 +93,7 @@ def hook_name(layer: int, point: str) -> str:
 
 def all_hook_names(model: nn.Module) -> list[str]:
     n_layers = model.config.num_hidden_layers
-    return [hook_name(layer, point) for layer in range(n_layers) for point in RESID_HOOKS + ATTN_HOOKS]
+    return [hook_name(layer, point) for layer in range(n_layers) for point in RESID_HOOKS + ATTN_HOOKS + DERIVED_HOOKS]
 
 
 def _family_table(model: nn.Module) -> tuple[str, dict[str, HookPoint]]:
@@ -92,12 +107,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.get_submodule(_family_table(model)[0])
 
 
+def layer_specs(model: nn.Module) -> list[LayerSpec]:
+    """What each decoder layer's attention does (scaling, sliding window, soft cap), read from its module."""
+    return [layer_spec(layer.self_attn, model.config, index) for index, layer in enumerate(decoder_layers(model))]
+
+
 def parse_hook_name(model: nn.Module, name: str) -> tuple[int, str]:
     """Split a canonical name into (layer, point), raising a `UsageError` if it does not resolve on `model`."""
     match = _NAME.match(name)
     if not match:
         raise UsageError(
-            f"hook name {name!r} does not resolve; valid forms: blocks.<layer>.{{{', '.join(RESID_HOOKS + ATTN_HOOKS)}}}"
+            f"hook name {name!r} does not resolve; valid forms: "
+            f"blocks.<layer>.{{{', '.join(RESID_HOOKS + ATTN_HOOKS + DERIVED_HOOKS)}}}"
         )
     layer, point = int(match.group(1)), match.group(2)
     n_layers = model.config.num_hidden_layers
@@ -136,8 +157,12 @@ class Capture:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         parts = self.calls(name)
-        dim = 1 if "resid" in name else 2
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        if len(parts) == 1:
+            return parts[0]
+        if name.endswith("hook_pattern"):
+            raise ValueError(f"{name!r} was captured over {len(parts)} forwards, each with its own keys; "
+                             f"read them with calls({name!r})")
+        return torch.cat(parts, dim=1 if "resid" in name else 2)
 
     def __contains__(self, name: str) -> bool:
         return name in self._store
@@ -185,6 +210,9 @@ def capture(
 
     handles: list[torch.utils.hooks.RemovableHandle] = []
     cache_wanted: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> {"k"|"v": name}
+    derived_wanted: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> {point: name}
+    # layer -> what to call with (new keys, new values, every key the layer attends to) at each cache update
+    cache_listeners: dict[int, list[Callable]] = defaultdict(list)
     wrapped_caches: list[object] = []
 
     try:
@@ -196,18 +224,29 @@ def capture(
                 handles.append(block.register_forward_hook(_resid_post_hook(name, emit)))
             elif point in ("attn.hook_cache_k", "attn.hook_cache_v"):
                 cache_wanted[layer][point[-1]] = name
+            elif point in DERIVED_HOOKS:
+                derived_wanted[layer][point] = name
             else:
                 spec = table[point]
                 module = block.get_submodule(spec.module)
                 heads = n_q if spec.heads == "q" else n_kv
                 handles.append(module.register_forward_hook(_projection_hook(name, spec, heads, emit)))
         for layer, wanted in cache_wanted.items():
+            cache_listeners[layer].append(_cache_emitter(wanted, emit))
+        for layer, wanted in derived_wanted.items():
+            block = layers[layer]
+            derived = _DerivedPoints(block.self_attn, layer_spec(block.self_attn, config, layer), wanted, emit)
+            handles.append(block.self_attn.register_forward_pre_hook(derived.before, with_kwargs=True))
+            for point, heads, store in (("attn.hook_q", n_q, derived.query), ("attn.hook_k", n_kv, derived.key)):
+                module = block.get_submodule(table[point].module)
+                handles.append(module.register_forward_hook(_projection_hook(point, table[point], heads, store)))
+            handles.append(block.self_attn.register_forward_hook(derived.after))
+            if "attn.hook_pattern" in wanted:
+                cache_listeners[layer].append(derived.attended)
+        for layer in cache_listeners:
             attn = layers[layer].get_submodule("self_attn")
-            handles.append(
-                attn.register_forward_pre_hook(
-                    _cache_wrapping_hook(wanted, emit, wrapped_caches, cache_wanted), with_kwargs=True
-                )
-            )
+            hook = _cache_wrapping_hook(cache_listeners, wrapped_caches, needs_cache=layer in cache_wanted)
+            handles.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
         yield result
     finally:
         for handle in handles:
@@ -238,26 +277,82 @@ def _projection_hook(name, spec, heads, emit):
     return hook
 
 
-def _cache_wrapping_hook(wanted, emit, wrapped_caches, cache_wanted):
-    """Wrap the `update` of the cache instance this attention layer receives, once per cache object."""
+def _cache_emitter(wanted: dict[str, str], emit):
+    def listener(key_states, value_states, attended_keys):
+        if "k" in wanted:
+            emit(wanted["k"], key_states)
+        if "v" in wanted:
+            emit(wanted["v"], value_states)
+
+    return listener
+
+
+def _cache_wrapping_hook(listeners: dict[int, list[Callable]], wrapped_caches: list[object], needs_cache: bool):
+    """Wrap the `update` of the cache instance this attention layer receives, once per cache object; the wrapper
+    hands every layer's listeners what the layer stored and what it attends to."""
 
     def hook(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None:
-            raise UsageError("attn.hook_cache_k/v needs a forward with a KV cache (use_cache=True)")
+            if needs_cache:
+                raise UsageError("attn.hook_cache_k/v needs a forward with a KV cache (use_cache=True)")
+            return
         if any(c is cache for c in wrapped_caches):
             return
         original = type(cache).update.__get__(cache)
 
         def update(key_states, value_states, layer_idx, *rest, **kw):
-            names = cache_wanted.get(layer_idx, {})
-            if "k" in names:
-                emit(names["k"], key_states)
-            if "v" in names:
-                emit(names["v"], value_states)
-            return original(key_states, value_states, layer_idx, *rest, **kw)
+            keys, values = original(key_states, value_states, layer_idx, *rest, **kw)
+            for listener in listeners.get(layer_idx, ()):
+                listener(key_states, value_states, keys)
+            return keys, values
 
         cache.update = update
         wrapped_caches.append(cache)
 
     return hook
+
+
+class _DerivedPoints:
+    """``hook_rot_q|rot_k|pattern`` of one layer, assembled during its attention module's forward: the inputs the
+    module receives (pre-hook), its pre-RoPE projections, the keys its cache returns, then computed when it returns."""
+
+    def __init__(self, module: nn.Module, spec: LayerSpec, wanted: dict[str, str], emit) -> None:
+        self.module = module
+        self.spec = spec
+        self.wanted = wanted
+        self.emit = emit
+        self._clear()
+
+    def _clear(self) -> None:
+        self.position_embeddings = self.mask = self.q = self.k = self.attended_keys = None
+
+    def before(self, module, args, kwargs) -> None:
+        self._clear()
+        self.position_embeddings = kwargs["position_embeddings"]
+        self.mask = kwargs.get("attention_mask")
+
+    def query(self, point: str, tensor: torch.Tensor) -> None:
+        self.q = tensor
+
+    def key(self, point: str, tensor: torch.Tensor) -> None:
+        self.k = tensor
+
+    def attended(self, key_states, value_states, attended_keys: torch.Tensor) -> None:
+        self.attended_keys = attended_keys
+
+    def after(self, module, args, output) -> None:
+        cos, sin = self.position_embeddings
+        # [batch, q_head, pos, d_head] and [batch, kv_head, pos, d_head]
+        rot_q, rot_k = rotate(self.module, self.q, self.k, cos, sin)
+        if "attn.hook_rot_q" in self.wanted:
+            self.emit(self.wanted["attn.hook_rot_q"], rot_q)
+        if "attn.hook_rot_k" in self.wanted:
+            self.emit(self.wanted["attn.hook_rot_k"], rot_k)
+        if "attn.hook_pattern" in self.wanted:
+            keys = rot_k if self.attended_keys is None else self.attended_keys  # [b, kv_head, key_pos, d_head]
+            visible = visible_from_module_mask(self.mask, rot_q.shape[2], keys.shape[2], self.spec.window, rot_q.device)
+            pattern = attention_probabilities(rot_q, keys, scaling=self.spec.scaling, softcap=self.spec.softcap,
+                                              visible=visible)  # [b, q_head, query_pos, key_pos]
+            self.emit(self.wanted["attn.hook_pattern"], pattern)
+        self._clear()

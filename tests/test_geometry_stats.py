@@ -21,7 +21,7 @@ from geometry.stats import (
     top_singular_value,
 )
 from geometry.summary import GeometryAccumulator, build_tables
-from geometry.measure import LayerSpec
+from models.attention import LayerSpec
 
 NEG_INF = float("-inf")
 

@@ -10,10 +10,21 @@ import importlib
 
 import pytest
 import torch
+from test_models_attention import tiny_gemma2, using_kernel  # tests/ is on sys.path under pytest
 from transformers import DynamicCache
 
 from core.errors import UsageError
-from models.hooks import ATTN_HOOKS, RESID_HOOKS, all_hook_names, capture, decoder_layers, hook_name
+from models.attention import attention_probabilities
+from models.hooks import (
+    ATTN_HOOKS,
+    DERIVED_HOOKS,
+    RESID_HOOKS,
+    all_hook_names,
+    capture,
+    decoder_layers,
+    hook_name,
+    layer_specs,
+)
 from models.tiny import tiny_model
 
 PROMPT, DECODE = 12, 3  # tiny Gemma3's sliding window (16) still holds all 15 positions
@@ -32,7 +43,7 @@ def traced(lm):
     """One prefill + decode run per model capturing every point the checks below read (real-model forwards are slow)."""
     model = lm.model
     names = [hook_name(layer, p) for layer in range(model.config.num_hidden_layers) for p in RESID_HOOKS]
-    names += [hook_name(layer, p) for layer in _edge_layers(model) for p in ATTN_HOOKS]
+    names += [hook_name(layer, p) for layer in _edge_layers(model) for p in ATTN_HOOKS + DERIVED_HOOKS]
     cap, cache, tokens, out = _run(model, names, hidden_states=True)
     return lm, cap, cache, tokens, out
 
@@ -71,7 +82,8 @@ def test_resid_streams_equal_hidden_states(traced):
     assert len(hidden) == n_layers + 1
     atol = _atol(lm)
     for layer in range(n_layers):
-        torch.testing.assert_close(cap[hook_name(layer, "hook_resid_pre")][:, :PROMPT], hidden[layer], rtol=1e-5, atol=atol)
+        pre = cap[hook_name(layer, "hook_resid_pre")][:, :PROMPT]
+        torch.testing.assert_close(pre, hidden[layer], rtol=1e-5, atol=atol)
         post = cap[hook_name(layer, "hook_resid_post")][:, :PROMPT]
         expected = hidden[layer + 1]
         if layer == n_layers - 1:
@@ -96,7 +108,10 @@ def test_decode_resid_without_hidden_states_matches_full_forward(lm):
     with torch.no_grad(), capture(model, names) as full:
         model(tokens, use_cache=False)
     for name in names:
-        torch.testing.assert_close(cap[name], full[name], rtol=1e-4, atol=_atol(lm) * 10)
+        # Decode and one full forward sum in different orders: fp32 error scales with the stream's largest entries
+        # (Gemma3's reach the thousands), so the absolute tolerance does too.
+        scale = full[name].abs().max().item()
+        torch.testing.assert_close(cap[name], full[name], rtol=1e-4, atol=max(_atol(lm) * 10, 2e-6 * scale))
 
 
 def test_cache_hooks_equal_cache_contents(traced):
@@ -117,7 +132,8 @@ def test_cache_hooks_equal_cache_contents(traced):
 
 
 def test_pre_rope_keys_rotated_equal_cache_keys(traced):
-    """hook_k rotated by the model's own RoPE at each position equals hook_cache_k; hook_v is hook_cache_v."""
+    """hook_k rotated by the model's own RoPE at each position equals hook_cache_k and hook_rot_k (hook_q: hook_rot_q);
+    hook_v is hook_cache_v."""
     lm, cap, _, _, _ = traced
     model = lm.model
     layers = _edge_layers(model)
@@ -130,8 +146,11 @@ def test_pre_rope_keys_rotated_equal_cache_keys(traced):
             cos, sin = model.model.rotary_emb(keys, positions, model.config.layer_types[layer])
         else:
             cos, sin = model.model.rotary_emb(keys, positions)
-        _, rotated = modeling.apply_rotary_pos_emb(keys, keys, cos, sin)
+        queries, rotated = modeling.apply_rotary_pos_emb(cap[hook_name(layer, "attn.hook_q")], keys, cos, sin)
         torch.testing.assert_close(rotated, cap[hook_name(layer, "attn.hook_cache_k")], rtol=0, atol=_atol(lm))
+        torch.testing.assert_close(cap[hook_name(layer, "attn.hook_rot_k")], cap[hook_name(layer, "attn.hook_cache_k")],
+                                   rtol=0, atol=0)  # the same rotation of the same projection, bit for bit
+        torch.testing.assert_close(cap[hook_name(layer, "attn.hook_rot_q")], queries, rtol=0, atol=_atol(lm))
         torch.testing.assert_close(cap[hook_name(layer, "attn.hook_v")], cap[hook_name(layer, "attn.hook_cache_v")],
                                    rtol=0, atol=0)
         assert (rotated[:, :, 1:] - keys[:, :, 1:]).abs().max() > 1e-3  # RoPE did rotate: the check can fail
@@ -159,6 +178,89 @@ def test_projections_recomputed_from_resid_pre(traced):
         torch.testing.assert_close(cap[name], expected, rtol=0, atol=_atol(lm), msg=name)
 
 
+def _eager_weights(model, forwards: list[dict]) -> list[tuple[torch.Tensor, ...]]:
+    """The eager kernel's own attention weights of each forward (one DynamicCache across them), per layer."""
+    cache = DynamicCache(config=model.config)
+    with using_kernel(model, "eager"), torch.no_grad():
+        return [model(**inputs, cache=cache, use_cache=True, output_attentions=True).attentions for inputs in forwards]
+
+
+def _patterns(model, names: list[str], forwards: list[dict], kernel: str):
+    cache = DynamicCache(config=model.config)
+    with using_kernel(model, kernel), torch.no_grad(), capture(model, names) as cap:
+        for inputs in forwards:
+            model(**inputs, cache=cache, use_cache=True)
+    return cap
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_pattern_equals_the_eager_kernels_weights(lm, kernel):
+    """hook_pattern, recomputed under either kernel, equals the weights the eager kernel returns, in the prefill and
+    in decode steps; 20 prompt tokens take tiny Gemma3 past its 16-token window, so its sliding layers drop keys."""
+    model = lm.model
+    ids = torch.randint(5, 200, (1, 20), generator=torch.Generator().manual_seed(1))
+    forwards = [{"input_ids": ids}] + [{"input_ids": torch.tensor([[token]])} for token in (7, 11, 13)]
+    layers = range(model.config.num_hidden_layers) if lm.name.startswith("tiny-") else _edge_layers(model)
+    names = [hook_name(layer, "attn.hook_pattern") for layer in layers]
+    reference = _eager_weights(model, forwards)
+    cap = _patterns(model, names, forwards, kernel)
+    key_counts = set()
+    for layer, name in zip(layers, names):
+        for call, weights in zip(cap.calls(name), reference, strict=True):
+            assert call.shape == weights[layer].shape and call.dtype == torch.float32
+            torch.testing.assert_close(call, weights[layer], rtol=1e-5, atol=_atol(lm) / 10)
+        key_counts.add(cap.calls(name)[-1].shape[-1])
+    if lm.name == "tiny-gemma3":
+        assert key_counts == {16, 23}  # sliding layers: the last 15 keys and the query's own; full layers: all
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_pattern_of_a_left_padded_batch_equals_the_eager_weights(tiny, kernel):
+    """Two prompts, the shorter left-padded, then one decode step: the pattern follows the padding mask the layer
+    received; the rows of real queries equal the eager weights and rows of padding queries are zero."""
+    model = tiny.model
+    mask = torch.tensor([[1] * 20, [0] * 7 + [1] * 13])
+    ids = torch.randint(5, 200, (2, 20), generator=torch.Generator().manual_seed(2)).masked_fill(mask == 0, 0)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    forwards = [
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+        {"input_ids": torch.tensor([[5], [6]]), "attention_mask": torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
+         "position_ids": torch.tensor([[20], [13]])},
+    ]
+    names = [hook_name(layer, "attn.hook_pattern") for layer in range(model.config.num_hidden_layers)]
+    reference = _eager_weights(model, forwards)
+    cap = _patterns(model, names, forwards, kernel)
+    real = [mask.bool(), torch.ones(2, 1, dtype=torch.bool)]  # [batch, query] per forward
+    for layer, name in enumerate(names):
+        for call, weights, rows in zip(cap.calls(name), reference, real, strict=True):
+            expected = weights[layer]
+            torch.testing.assert_close(call.transpose(1, 2)[rows], expected.transpose(1, 2)[rows], rtol=1e-5,
+                                       atol=1e-6)
+            if kernel == "eager":
+                assert call.transpose(1, 2)[~rows].abs().sum() == 0
+        assert (cap.calls(name)[0][1, :, 7:, :7] == 0).all()  # padding keys get nothing
+
+
+def test_pattern_applies_gemma2s_logit_softcap():
+    """Gemma2's kernel caps logits (a tiny cap, so that it matters at random init): the pattern equals its weights,
+    and the same recomputation without the cap does not."""
+    lm = tiny_gemma2(softcap=0.02)
+    model = lm.model
+    ids = torch.randint(5, 200, (1, 20), generator=torch.Generator().manual_seed(3))
+    names = [hook_name(layer, point) for layer in range(4) for point in ("attn.hook_pattern", "attn.hook_rot_q")]
+    names += [hook_name(1, "attn.hook_rot_k")]
+    with torch.no_grad(), capture(model, names) as cap:
+        weights = model(ids, use_cache=False, output_attentions=True).attentions
+    for layer in range(4):
+        torch.testing.assert_close(cap[hook_name(layer, "attn.hook_pattern")], weights[layer], rtol=1e-5, atol=1e-6)
+    spec = layer_specs(model)[1]
+    assert spec.softcap == 0.02 and spec.window is None
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()[None, None]
+    uncapped = attention_probabilities(cap[hook_name(1, "attn.hook_rot_q")], cap[hook_name(1, "attn.hook_rot_k")],
+                                       scaling=spec.scaling, visible=causal)
+    assert (uncapped - weights[1]).abs().max() > 1e-3
+
+
 def test_capture_shapes_for_all_points(tiny):
     model = tiny.model
     config = model.config
@@ -168,13 +270,21 @@ def test_capture_shapes_for_all_points(tiny):
     for layer in range(config.num_hidden_layers):
         assert cap[hook_name(layer, "hook_resid_pre")].shape == (1, total, config.hidden_size)
         assert cap[hook_name(layer, "attn.hook_q")].shape == (1, config.num_attention_heads, total, d_head)
-        for point in ("attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v"):
+        assert cap[hook_name(layer, "attn.hook_rot_q")].shape == (1, config.num_attention_heads, total, d_head)
+        for point in ("attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v", "attn.hook_rot_k"):
             assert cap[hook_name(layer, point)].shape == (1, config.num_key_value_heads, total, d_head)
+        # one pattern per forward, over every key the layer attended to (tiny Gemma3's window holds all 15)
+        patterns = cap.calls(hook_name(layer, "attn.hook_pattern"))
+        assert [p.shape for p in patterns] == [(1, config.num_attention_heads, PROMPT, PROMPT)] + [
+            (1, config.num_attention_heads, 1, PROMPT + step + 1) for step in range(DECODE)]
+        with pytest.raises(ValueError, match="calls"):
+            cap[hook_name(layer, "attn.hook_pattern")]
 
 
 def test_callback_streams_instead_of_storing(tiny_llama):
     seen = []
-    with torch.no_grad(), capture(tiny_llama.model, ["blocks.2.attn.hook_v"], callback=lambda n, t: seen.append((n, t.shape))) as cap:
+    record = lambda n, t: seen.append((n, t.shape))
+    with torch.no_grad(), capture(tiny_llama.model, ["blocks.2.attn.hook_v"], callback=record) as cap:
         tiny_llama.model(torch.tensor([[3, 4, 5]]))
     assert seen == [("blocks.2.attn.hook_v", torch.Size([1, 2, 3, 16]))]
     assert cap.keys() == []
@@ -216,6 +326,7 @@ def test_hooks_removed_when_body_raises(tiny_llama):
     "name, fragment",
     [
         ("blocks.0.attn.hook_z", "does not resolve"),
+        ("blocks.0.attn.hook_rot_v", "does not resolve"),
         ("block.0.hook_resid_pre", "does not resolve"),
         ("blocks.x.hook_resid_pre", "does not resolve"),
         ("blocks.4.hook_resid_post", "layer 4 out of range 0..3"),

@@ -1,7 +1,7 @@
 """Per-token, per-layer signals of a trace, streamed during decode or computed over a stored trace.
 
-One `SignalStream` consumes what each forward exposes (the residual stream, the K/V the cache stores and, with the
-eager kernel, the attention probabilities) and turns it into per-position scalars, keeping only running state.
+One `SignalStream` consumes what each forward exposes (the residual stream, the K/V the cache stores and the
+attention probabilities) and turns it into per-position scalars, keeping only running state.
 It is fed either
 
 - during generation (`stream_signals`): hooks installed for the whole decode loop, one pass, no second forward; or
@@ -20,7 +20,8 @@ Signals (``[batch, pos]`` per layer; every K/V and attention signal is the mean 
 - ``key_cosine_to_mean`` (KeyDiff): 1 - cos(k_t, mean of the keys at positions <= t).
 - ``value_distance_to_mean`` (ValueDiff): ||v_t - mean of the values at positions <= t||_2.
   The mean is causal (the cache as it is when t enters it), so the score is fixed when the token is produced.
-- attention signals (need ``attn_implementation="eager"``; averaged over query heads):
+- attention signals, from ``blocks.{l}.attn.hook_pattern`` (recomputed by `models.attention`, so any attention
+  kernel serves; averaged over query heads):
   ``h2o``: attention each position received, summed over every query forwarded so far (at the end of a
   teacher-forced pass: every later position of the trace, the H2O accumulator without eviction);
   ``tova``: the attention the last forwarded query gives each position (0 for none, i.e. a position not yet
@@ -38,7 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from core.errors import UsageError, unknown_choice
-from models.hooks import capture, decoder_layers, hook_name
+from models.hooks import capture, hook_name
 from probes.signals import attention as attn_scores
 from probes.signals import kv as kv_scores
 from probes.signals.hidden import HiddenDiffStream
@@ -142,21 +143,24 @@ class SignalStream:
         self._kv_parts: dict[str, dict[int, list[torch.Tensor]]] = {s: {l: [] for l in self.layers}
                                                                     for s in self._kv_wanted}
         self._attention = {layer: _LayerAttention() for layer in self.layers}
+        kv_points = ("attn.hook_cache_k", "attn.hook_cache_v") if self._kv_wanted else ()
+        attention_points = ("attn.hook_pattern",) if self._attn_wanted else ()
         self._by_name = {hook_name(layer, point): (layer, point) for layer in self.layers
-                         for point in ("attn.hook_cache_k", "attn.hook_cache_v")}
+                         for point in kv_points + attention_points}
 
     @property
     def hook_names(self) -> list[str]:
         names = list(self._hidden.names) if self._hidden else []
-        if self._kv_wanted:
-            names += list(self._by_name)
-        return names
+        return names + list(self._by_name)
 
     def _callback(self, name: str, tensor: torch.Tensor) -> None:
         if self._hidden is not None and name in self._hidden.names:
             self._hidden.callback(name, tensor)
             return
         layer, point = self._by_name[name]
+        if point == "attn.hook_pattern":
+            self._attention[layer].add(tensor)
+            return
         if point == "attn.hook_cache_k":
             self._pending_k[layer] = tensor  # the cache stores k then v for the same tokens
             return
@@ -191,26 +195,8 @@ class SignalStream:
     @contextlib.contextmanager
     def attached(self) -> Iterator[SignalStream]:
         """Hooks live for the duration of the context; run any number of forwards (or a generate call) inside."""
-        with contextlib.ExitStack() as stack:
-            names = self.hook_names
-            if names:
-                stack.enter_context(capture(self.model, names, callback=self._callback))
-            if self._attn_wanted:
-                if self.model.config._attn_implementation != "eager":
-                    raise UsageError(f"attention signals {self._attn_wanted} need the eager attention kernel "
-                                     f"(load the model with attn_implementation='eager'), not "
-                                     f"{self.model.config._attn_implementation!r}")
-                layers = decoder_layers(self.model)
-                for layer in self.layers:
-                    handle = layers[layer].self_attn.register_forward_hook(self._attention_hook(layer))
-                    stack.callback(handle.remove)
+        with capture(self.model, self.hook_names, callback=self._callback):
             yield self
-
-    def _attention_hook(self, layer: int):
-        def hook(module, args, output):
-            self._attention[layer].add(output[1].detach())
-
-        return hook
 
     def result(self) -> dict[str, dict[int, torch.Tensor]]:
         """``{signal: {layer: [batch, pos]}}`` over every position forwarded so far (float32, on the CPU)."""
