@@ -1,4 +1,5 @@
-"""Benchmark problems (MATH-500, AIME-2024, GSM8K) as `Problem` records, from a file, a data directory or the hub.
+"""Benchmark problems as `Problem` records: MATH-500, AIME-2024, GSM8K (from a file, a data directory or the hub)
+and the RULER-style long-context tasks (generated, `tasks.ruler`).
 
 Where the problems come from, first match wins:
 
@@ -6,6 +7,11 @@ Where the problems come from, first match wins:
    and an answer field (``answer`` / ``Answer``); ids come from ``unique_id`` / ``id`` / ``ID`` or the line order.
 2. ``$KVSCOPE_DATA_DIR/<file>`` (``math500.jsonl``, ``aime24.jsonl``, ``gsm8k_test.jsonl``), the offline copies.
 3. The HuggingFace hub through the ``datasets`` library (the hub ids in `SOURCES`); offline, that is a `UsageError`.
+
+RULER datasets (``ruler_niah_single``, ``ruler_vt@4k``, ...; `tasks.ruler`) are generated from a seed instead of
+read (``data_file`` still overrides); their length is counted with the tokenizer passed to `load_problems` (default:
+the default model's), and without a `limit` there are `tasks.ruler.DEFAULT_COUNT` of them. A file with no problems
+is a `UsageError` naming it.
 
 GSM8K answers are full solutions ending in ``#### <number>``; the gold is the number after the marker.
 """
@@ -19,6 +25,7 @@ from typing import Any
 
 from core.errors import UsageError, unknown_choice
 from core.records import read_jsonl
+from tasks import ruler
 
 DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 
@@ -49,7 +56,7 @@ SOURCES: dict[str, DatasetSpec] = {
         DatasetSpec("gsm8k", "gsm8k_test.jsonl", (HubSource("openai/gsm8k", "main", "test"),)),
     )
 }
-DATASETS: tuple[str, ...] = tuple(SOURCES)
+DATASETS: tuple[str, ...] = tuple(SOURCES) + ruler.NAMES
 
 QUESTION_FIELDS = ("problem", "question", "Problem", "Question")
 ANSWER_FIELDS = ("answer", "Answer")
@@ -74,35 +81,65 @@ def gsm8k_gold(solution: str) -> str:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def load_problems(name: str, *, data_file: str | os.PathLike | None = None, limit: int | None = None) -> list[Problem]:
-    """The first `limit` problems of dataset `name` (all when `limit` is None), in the dataset's own order."""
-    if name not in SOURCES:
-        raise unknown_choice("dataset", name, DATASETS)
+def load_problems(
+    name: str,
+    *,
+    data_file: str | os.PathLike | None = None,
+    limit: int | None = None,
+    tokenizer: Any = None,
+) -> list[Problem]:
+    """The first `limit` problems of dataset `name` (all when `limit` is None), in the dataset's own order.
+
+    `tokenizer` (a tokenizer, a model name or None for the default model's) only matters for RULER datasets, whose
+    context length it measures.
+    """
+    generated = _ruler_config(name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise UsageError(f"limit must be a positive integer, got {limit!r}")
-    spec = SOURCES[name]
     if data_file is not None:
         path = Path(data_file).expanduser()
         if not path.is_file():
             raise UsageError(f"data file {str(data_file)!r} does not exist")
         rows, origin = _numbered(read_jsonl(path), limit), str(path)
-    elif (local := _data_dir_file(spec)) is not None:
+    elif generated is not None:
+        records = ruler.generate(generated, limit or ruler.DEFAULT_COUNT, tokenizer)
+        rows, origin = list(enumerate(records, start=1)), ruler.source(generated, tokenizer)
+        name = generated.name
+    elif (local := _data_dir_file(SOURCES[name])) is not None:
         rows, origin = _numbered(read_jsonl(local), limit), str(local)
     else:
-        rows, origin = _from_hub(spec, limit)
+        rows, origin = _from_hub(SOURCES[name], limit)
+    if not rows:
+        where = f"data file {str(data_file)!r}" if data_file is not None else origin
+        raise UsageError(f"{where} holds no problems")
     problems = [_to_problem(row, number, name, origin) for number, row in rows]
     _check_unique_ids(problems, origin)
     return problems
 
 
-def resolve_source(name: str, data_file: str | os.PathLike | None = None) -> str:
-    """Where `load_problems(name, data_file=...)` reads from: a file path or ``hub:<id>`` (for run configs)."""
-    if name not in SOURCES:
-        raise unknown_choice("dataset", name, DATASETS)
+def resolve_source(name: str, data_file: str | os.PathLike | None = None, tokenizer: Any = None) -> str:
+    """Where `load_problems(name, data_file=...)` reads from: a file path, ``hub:<id>`` or, for a generated dataset,
+    its generator, seed and tokenizer (for run configs)."""
+    generated = _ruler_config(name)
     if data_file is not None:
         return str(Path(data_file).expanduser().resolve())
+    if generated is not None:
+        return ruler.source(generated, tokenizer)
     local = _data_dir_file(SOURCES[name])
     return str(local) if local is not None else "hub:" + " or ".join(h.path for h in SOURCES[name].hub)
+
+
+def check_dataset(name: str) -> None:
+    """Refuse an unknown dataset name (a benchmark, or a RULER task with an optional ``@<tokens>`` length)."""
+    _ruler_config(name)
+
+
+def _ruler_config(name: str) -> ruler.RulerConfig | None:
+    """The generator settings of a RULER dataset name, None for a benchmark read from files; unknown names fail."""
+    generated = ruler.parse_name(name)
+    if generated is None and name not in SOURCES:
+        raise unknown_choice("dataset", name, DATASETS)
+    return generated
 
 
 def _data_dir_file(spec: DatasetSpec) -> Path | None:

@@ -10,7 +10,9 @@ Base models without a chat template (Gemma3-270M) get the plain completion forma
     Solution:
 
 so the model continues with a solution. The instruction is the standard math-reasoning one (step-by-step reasoning,
-final answer in ``\\boxed{}``) that `tasks.grading.extract_answer` reads back.
+final answer in ``\\boxed{}``) that `tasks.grading.extract_answer` reads back. Synthetic long-context problems
+(RULER, `tasks.ruler`) carry their own instruction in the question, so they get none added, and the plain format
+ends with ``Answer:``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ def uses_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 def build_prompt_text(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> str:
     """The prompt as text (chat template rendered, or the plain fallback), ready to be continued by the model."""
+    own_instruction = "ruler" in problem.meta
     if uses_chat_template(tokenizer):
-        message = {"role": "user", "content": f"{problem.question}\n\n{INSTRUCTION}"}
+        content = problem.question if own_instruction else f"{problem.question}\n\n{INSTRUCTION}"
+        message = {"role": "user", "content": content}
         return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    if own_instruction:
+        return f"{problem.question}\n\nAnswer:"
     return PLAIN_TEMPLATE.format(question=problem.question, instruction=INSTRUCTION)
 
 

@@ -26,7 +26,8 @@ def _write_jsonl(path, records):
 
 
 def test_dataset_names():
-    assert DATASETS == ("math500", "aime24", "gsm8k")
+    assert DATASETS == ("math500", "aime24", "gsm8k", "ruler_niah_single", "ruler_niah_multikey",
+                        "ruler_niah_multivalue", "ruler_vt", "ruler_cwe")
 
 
 @pytest.mark.parametrize("name, count", [("math500", 500), ("aime24", 30), ("gsm8k", 1319)])
@@ -39,7 +40,8 @@ def test_full_local_copies(shared_data, name, count):
 
 def test_local_fields_and_limit(shared_data):
     math = load_problems("math500", limit=3)
-    assert [p.id for p in math] == ["test/precalculus/807.json", "test/intermediate_algebra/1994.json", "test/algebra/2584.json"]
+    assert [p.id for p in math] == ["test/precalculus/807.json", "test/intermediate_algebra/1994.json",
+                                    "test/algebra/2584.json"]
     assert math[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert math[0].question.startswith("Convert the point $(0,3)$")
     assert math[0].meta["subject"] == "Precalculus" and "solution" in math[0].meta
@@ -64,13 +66,15 @@ def test_data_file_takes_precedence_and_maps_other_field_names(tmp_path, shared_
         {"ID": "2024-I-2", "Problem": "What is 2+2?", "Answer": 4, "Solution": "add"},
     ])
     problems = load_problems("aime24", data_file=path)
-    assert [(p.id, p.question, p.answer) for p in problems] == [("2024-I-1", "What is 1+1?", "2"), ("2024-I-2", "What is 2+2?", "4")]
+    assert [(p.id, p.question, p.answer) for p in problems] == [("2024-I-1", "What is 1+1?", "2"),
+                                                                 ("2024-I-2", "What is 2+2?", "4")]
     assert problems[1].meta["Solution"] == "add" and problems[1].meta["source"] == str(path)
     assert resolve_source("aime24", path) == str(path.resolve())
 
 
 def test_data_file_without_ids_numbers_records(tmp_path):
-    path = _write_jsonl(tmp_path / "g.jsonl", [{"question": "q1", "answer": "x\n#### 7"}, {"question": "q2", "answer": "#### 8"}])
+    path = _write_jsonl(tmp_path / "g.jsonl", [{"question": "q1", "answer": "x\n#### 7"},
+                                               {"question": "q2", "answer": "#### 8"}])
     assert [(p.id, p.answer) for p in load_problems("gsm8k", data_file=path)] == [("gsm8k-0", "7"), ("gsm8k-1", "8")]
 
 
@@ -89,9 +93,37 @@ def test_bad_inputs(tmp_path, shared_data):
     no_answer = _write_jsonl(tmp_path / "na.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b"}])
     with pytest.raises(UsageError, match="record 2 has no answer field"):
         load_problems("math500", data_file=no_answer)
-    dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "problem": "a", "answer": "1"}, {"id": 1, "problem": "b", "answer": "2"}])
+    dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "problem": "a", "answer": "1"},
+                                                {"id": 1, "problem": "b", "answer": "2"}])
     with pytest.raises(UsageError, match="'1' appears more than once"):
         load_problems("math500", data_file=dup)
+
+
+def test_a_file_without_problems_is_a_usage_error_naming_it(tmp_path, monkeypatch):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UsageError, match=f"^data file '{empty}' holds no problems$"):
+        load_problems("gsm8k", data_file=empty)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(UsageError, match="blank.jsonl' holds no problems"):
+        load_problems("ruler_vt", data_file=blank, limit=3)
+    (tmp_path / "math500.jsonl").write_text("")
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", str(tmp_path))
+    with pytest.raises(UsageError, match=f"^{tmp_path / 'math500.jsonl'} holds no problems$"):
+        load_problems("math500")
+
+
+def test_empty_data_file_exits_2_with_one_line_and_no_output(tmp_path, capsys):
+    from tasks.run import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "run"
+    assert main(["--dataset", "gsm8k", "--data-file", str(empty), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"error: data file '{empty}' holds no problems") and "\n" not in err
+    assert not out.exists()
 
 
 def test_hub_is_tried_in_order_when_there_is_no_local_copy(monkeypatch):
@@ -134,9 +166,9 @@ def test_real_hub_call_offline_fails_cleanly(monkeypatch):
     if not datasets.config.HF_HUB_OFFLINE:
         pytest.skip("datasets was imported without HF_HUB_OFFLINE=1")
     monkeypatch.delenv("KVSCOPE_DATA_DIR", raising=False)
+    missing = tasks_datasets.HubSource("kvscope-tests/no-such-dataset", None, "test")
     monkeypatch.setattr(tasks_datasets, "SOURCES", {
-        "math500": tasks_datasets.DatasetSpec("math500", "math500.jsonl",
-                                              (tasks_datasets.HubSource("kvscope-tests/no-such-dataset", None, "test"),)),
+        "math500": tasks_datasets.DatasetSpec("math500", "math500.jsonl", (missing,)),
     })
     with pytest.raises(UsageError, match="hub could not be read"):
         load_problems("math500", limit=1)
