@@ -1,42 +1,220 @@
 """Generate and grade answers to benchmark problems: ``python -m tasks.run --model M --dataset D --limit N``.
 
-Writes into ``--out`` (default ``runs/<dataset>-<model>``):
+The library is `GenerationConfig` plus `generate_traces` (a loaded model and problems in, `core.schemas.Trace`
+records out, one per problem as it finishes) and `summarize`; the CLI claims ``--out`` (default
+``runs/<dataset>-<model>``) with a `core.rundir.RunDir` and writes there:
 
-- ``generations.jsonl``: one record per problem, appended as soon as it is graded (id, dataset, model, prompt_ids,
-  generated_ids, text, answer, gold, correct, finish_reason, empty_output, no_answer, timings);
+- ``generations.jsonl``: one trace record per problem (`core.schemas.Trace`, ``policy`` "full"), appended as soon
+  as it is graded;
 - ``summary.json``: accuracy and counts over the requested problems;
-- ``config.json``: the resolved configuration.
+- ``config.json``: the resolved configuration, with the identity a resumed run must match.
 
 Rerunning the same command after an interruption skips the problems already in ``generations.jsonl`` and continues;
-a directory holding a run with different generation settings is refused rather than mixed.
+a directory holding a run with other generation settings is refused, naming them, rather than mixed.
+
+``--backend ray --workers N`` spreads the problems over N Ray workers (`core.backend`), here or on a cluster; the unit
+of work is one problem (a generation takes seconds, far more than handing a unit out, and single problems keep the
+workers evenly loaded), and the records are those of a serial run, in the same order.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
+import functools
 import statistics
 import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from core.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
-from core.errors import UsageError
+from core.backend import BackendConfig, add_backend_arguments, connected, run_units
+from core.cli import (
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    non_negative_float,
+    positive_int,
+    unit_interval,
+    write_json,
+)
+from core.rundir import RunDir
+from core.schemas import Trace
+from core.seeds import derive_seed
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
 
-# Settings that change what a record contains: a resumed run must match them exactly.
-RUN_IDENTITY = ("model", "dataset", "data_source", "max_new_tokens", "temperature", "seed", "dtype")
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Which model answers which problems, and how its tokens are drawn."""
+
+    dataset: str
+    model: str = DEFAULT_MODEL
+    data_file: str | None = None  # the data source: this JSONL file, else $KVSCOPE_DATA_DIR or the hub
+    limit: int | None = None  # the first N problems (None: all)
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling when < 1 (only with temperature > 0)
+    seed: int = 0
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # None: cuda when available
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> GenerationConfig:
+        """The configuration among a CLI's parsed flags (``vars(args)``; each field is a flag of the same name)."""
+        return cls(**{f.name: flags[f.name] for f in dataclasses.fields(cls) if f.name in flags})
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The ``sampling`` field of every record this configuration makes."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that change what a record contains (not `limit`, not `device`): a resume must match them."""
+        source = resolve_source(self.dataset, self.data_file, tokenizer=self.model)
+        return {
+            "model": self.model,
+            "dataset": self.dataset,
+            "data_source": source,
+            "max_new_tokens": self.max_new_tokens,
+            **self.sampling,
+            "dtype": self.dtype,
+        }
+
+    def problems(self) -> list[Problem]:
+        """The problems to run; generated (RULER) contexts are measured with this model's tokenizer."""
+        return load_problems(self.dataset, data_file=self.data_file, limit=self.limit, tokenizer=self.model)
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+def graded_trace(
+    problem: Problem,
+    *,
+    model: str,
+    prompt_ids: list[int],
+    generated_ids: list[int],
+    text: str,
+    finish_reason: str,
+    timings: dict[str, Any],
+    sampling: dict[str, Any],
+    **fields: Any,
+) -> Trace:
+    """The trace of one generation, graded against `problem`; `fields` sets the eviction fields of `Trace`, and
+    names it does not know go to ``extra``."""
+    from tasks.grading import grade
+
+    graded = grade(text, problem)
+    known = {f.name for f in dataclasses.fields(Trace)}
+    return Trace(
+        id=problem.id,
+        dataset=problem.dataset,
+        model=model,
+        prompt_ids=list(prompt_ids),
+        generated_ids=list(generated_ids),
+        text=text,
+        answer=graded["answer"],
+        extracted_by=graded["extracted_by"],
+        gold=problem.answer,
+        correct=graded["correct"],
+        finish_reason=finish_reason,
+        empty_output=not text.strip(),
+        no_answer=graded["no_answer"],
+        timings=timings,
+        sampling=sampling,
+        **{k: v for k, v in fields.items() if k in known},
+        extra={k: v for k, v in fields.items() if k not in known},
+    )
+
+
+def generate_traces(lm, problems: Iterable[Problem], config: GenerationConfig) -> Iterator[Trace]:
+    """Generate and grade each problem with `lm` (a `models.loading.LoadedModel`), yielding its trace as it finishes.
+
+    Each problem draws from its own seed (`core.seeds.derive_seed` of the run seed and its id), so a resumed run, a
+    longer ``limit`` or another order reproduces every trace.
+    """
+    from tasks import generation
+    from tasks.prompts import build_prompt_ids
+
+    for problem in problems:
+        prompt_ids = build_prompt_ids(lm.tokenizer, problem)
+        result = generation.generate(
+            lm,
+            prompt_ids,
+            config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            seed=derive_seed(config.seed, [problem.id]),
+        )
+        yield graded_trace(
+            problem,
+            model=config.model,
+            prompt_ids=prompt_ids,
+            generated_ids=result.generated_ids,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            sampling=config.sampling,
+            timings={
+                "prefill_s": round(result.prefill_s, 4),
+                "decode_s": round(result.decode_s, 4),
+                "tokens_per_s": round(result.tokens_per_s, 3),
+            },
+        )
+
+
+@dataclass
+class Generator:
+    """What a worker holds: a loaded model (`models.loading.LoadedModel`) and how it generates."""
+
+    lm: Any
+    config: GenerationConfig
+
+
+def load_generator(config: GenerationConfig) -> Generator:
+    """A worker's `Generator`: the model of `config`, loaded once."""
+    from models.loading import load_model
+
+    return Generator(load_model(config.model, device=config.device, dtype=config.dtype), config)
+
+
+def generate_one(generator: Generator, problem: Problem) -> Trace:
+    """The unit of work of `core.backend.run_units`: one problem's graded trace."""
+    (trace,) = generate_traces(generator.lm, [problem], generator.config)
+    return trace
+
+
+def summarize(traces: Sequence[Trace]) -> dict[str, Any]:
+    """Accuracy and counts over `traces` (the fields `core.schemas.Cell` shares with a dense run)."""
+    n = len(traces)
+    correct = sum(bool(t.correct) for t in traces)
+    speeds = [t.timings.get("tokens_per_s") for t in traces if t.timings.get("tokens_per_s")]
+    return {
+        "problems": n,
+        "correct": correct,
+        "accuracy": correct / n if n else 0.0,
+        "no_answer": sum(t.no_answer for t in traces),
+        "empty_output": sum(t.empty_output for t in traces),
+        "truncated": sum(t.finish_reason == "length" for t in traces),
+        "mean_generated": statistics.fmean(len(t.generated_ids) for t in traces) if n else None,
+        "median_tokens_per_s": statistics.median(speeds) if speeds else None,
+    }
+
+
+def _short(text: str | None, width: int) -> str:
+    text = "-" if text is None else " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(traces: Sequence[Trace]) -> str:
+    header = f"{'#':>3}  {'id':<36} {'gold':<18} {'answer':<18} {'ok':<3} {'tokens':>6} {'finish':<6} {'tok/s':>6}"
+    lines = [header, "-" * len(header)]
+    for i, t in enumerate(traces, start=1):
+        lines.append(
+            f"{i:>3}  {_short(t.id, 36):<36} {_short(t.gold, 18):<18} {_short(t.answer, 18):<18} "
+            f"{'yes' if t.correct else 'no':<3} {len(t.generated_ids):>6} {t.finish_reason:<6} "
+            f"{t.timings.get('tokens_per_s', 0.0):>6.1f}"
+        )
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,25 +224,47 @@ def build_parser() -> argparse.ArgumentParser:
         "records (resumable) plus an accuracy summary.",
     )
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL,
+        "--model",
+        default=DEFAULT_MODEL,
         help=f"registry name ({', '.join(sorted(REGISTRY))}), a local HF model directory, a .gguf file or a hub id "
         f"(default: {DEFAULT_MODEL})",
     )
     parser.add_argument("--dataset", required=True, help=f"benchmark to run: {', '.join(DATASETS)}")
-    parser.add_argument("--limit", type=positive_int, default=None,
-                        help="run only the first N problems of the dataset (default: all)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=512,
-                        help="stop a generation after this many new tokens (finish_reason 'length'; default: 512)")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
-                        help="0 = greedy decoding (default); > 0 samples from the softmax at this temperature")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed for sampling; problem i uses seed + i, so reruns and resumes reproduce (default: 0)")
-    parser.add_argument("--data-file", default=None,
-                        help="read problems from this JSONL file instead of $KVSCOPE_DATA_DIR or the hub")
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, help="run only the first N problems of the dataset (default: all)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=512,
+        help="stop a generation after this many new tokens (finish_reason 'length'; default: 512)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 = greedy decoding (default); > 0 samples from the softmax at this temperature",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=unit_interval,
+        default=1.0,
+        help="nucleus sampling: draw only from the most probable tokens whose mass reaches P, in "
+        "(0, 1] (with --temperature > 0; default: 1 = the whole softmax)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for sampling; each problem draws from a seed derived from this one and its id, so "
+        "reruns and resumes reproduce (default: 0)",
+    )
+    parser.add_argument(
+        "--data-file", default=None, help="read problems from this JSONL file instead of $KVSCOPE_DATA_DIR or the hub"
+    )
     parser.add_argument("--out", default=None, help="output directory (default: runs/<dataset>-<model>)")
-    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_device_arguments(parser)
+    add_backend_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="do not print a line per problem")
     return parser
 
@@ -73,136 +273,82 @@ def _default_out(model: str, dataset: str) -> Path:
     return Path("runs") / f"{dataset}-{Path(model).name.removesuffix('.gguf')}"
 
 
-def _check_resumable(out: Path, identity: dict) -> None:
-    """Refuse an output directory that holds a run with different generation settings."""
-    config_path = out / "config.json"
-    if not config_path.exists():
-        return
-    try:
-        previous = json.loads(config_path.read_text())
-    except json.JSONDecodeError:
-        raise UsageError(f"{config_path} is not valid JSON; use another --out") from None
-    diffs = [f"{k} {previous.get(k)!r} vs {identity[k]!r}" for k in RUN_IDENTITY if previous.get(k) != identity[k]]
-    if diffs:
-        raise UsageError(f"--out {str(out)!r} holds a different run ({'; '.join(diffs)}); use another --out")
-
-
-def _record(problem: Problem, model_name: str, prompt_ids: list[int], result, graded: dict) -> dict:
-    return {
-        "id": problem.id,
-        "dataset": problem.dataset,
-        "model": model_name,
-        "prompt_ids": prompt_ids,
-        "generated_ids": result.generated_ids,
-        "text": result.text,
-        "answer": graded["answer"],
-        "extracted_by": graded["extracted_by"],
-        "gold": problem.answer,
-        "correct": graded["correct"],
-        "finish_reason": result.finish_reason,
-        "empty_output": not result.text.strip(),
-        "no_answer": graded["no_answer"],
-        "timings": {
-            "prefill_s": round(result.prefill_s, 4),
-            "decode_s": round(result.decode_s, 4),
-            "tokens_per_s": round(result.tokens_per_s, 3),
-        },
-    }
-
-
-def summarize(records: list[dict]) -> dict:
-    n = len(records)
-    speeds = [r["timings"]["tokens_per_s"] for r in records if r["timings"]["tokens_per_s"] > 0]
-    return {
-        "problems": n,
-        "correct": sum(r["correct"] for r in records),
-        "accuracy": sum(r["correct"] for r in records) / n if n else 0.0,
-        "no_answer": sum(r["no_answer"] for r in records),
-        "empty_output": sum(r["empty_output"] for r in records),
-        "truncated": sum(r["finish_reason"] == "length" for r in records),
-        "generated_tokens": sum(len(r["generated_ids"]) for r in records),
-        "median_tokens_per_s": statistics.median(speeds) if speeds else 0.0,
-    }
-
-
-def _short(text: str | None, width: int) -> str:
-    text = "-" if text is None else " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def format_table(records: list[dict]) -> str:
-    header = f"{'#':>3}  {'id':<36} {'gold':<18} {'answer':<18} {'ok':<3} {'tokens':>6} {'finish':<6} {'tok/s':>6}"
-    lines = [header, "-" * len(header)]
-    for i, r in enumerate(records, start=1):
-        lines.append(
-            f"{i:>3}  {_short(r['id'], 36):<36} {_short(r['gold'], 18):<18} {_short(r['answer'], 18):<18} "
-            f"{'yes' if r['correct'] else 'no':<3} {len(r['generated_ids']):>6} {r['finish_reason']:<6} "
-            f"{r['timings']['tokens_per_s']:>6.1f}"
-        )
-    return "\n".join(lines)
-
-
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    # Everything that can be wrong with the input is checked before the output directory is created.
-    problems = load_problems(args.dataset, data_file=args.data_file, limit=args.limit)
-    out = Path(args.out) if args.out else _default_out(args.model, args.dataset)
-    identity = {
-        "model": args.model, "dataset": args.dataset, "data_source": resolve_source(args.dataset, args.data_file),
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-        "dtype": args.dtype,
-    }
-    _check_resumable(out, identity)
+    config = GenerationConfig.from_flags(vars(args))
+    backend = BackendConfig.from_flags(vars(args))
+    problems = config.problems()  # bad input is found before --out is claimed
+    out = Path(args.out) if args.out else _default_out(config.model, config.dataset)
+    with RunDir(out, config.identity()) as run, connected(backend):
+        from tqdm import tqdm
 
-    from tqdm import tqdm
+        from models.loading import load_model
+        from tasks.prompts import uses_chat_template
 
-    from models.loading import load_model
-    from core.records import JsonlStore
-    from tasks.generation import generate
-    from tasks.grading import grade
-    from tasks.prompts import build_prompt_ids, uses_chat_template
+        # The driver's own copy describes the run and is the serial backend's worker.
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        run.save_config(
+            **dataclasses.asdict(config),
+            out=str(out),
+            loaded_model=lm.describe(),
+            prompt_format="chat_template" if uses_chat_template(lm.tokenizer) else "plain (no chat template)",
+            backend=dataclasses.asdict(backend),
+        )
+        store = run.store("generations.jsonl")
+        todo = [p for p in problems if p.id not in store]
+        if len(todo) < len(problems):
+            print(f"resuming: {len(problems) - len(todo)} of {len(problems)} problems already in {store.path}")
+        say = (lambda *_: None) if args.quiet else tqdm.write
+        try:
+            with tqdm(
+                total=len(problems),
+                initial=len(problems) - len(todo),
+                desc=config.dataset,
+                unit="problem",
+                file=sys.stderr,
+            ) as bar:
 
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+                def progress(_: Problem, trace: Trace) -> None:
+                    bar.update(1)
+                    say(
+                        f"[{trace.id}] gold={_short(trace.gold, 30)} answer={_short(trace.answer, 30)} "
+                        f"{'correct' if trace.correct else 'wrong'} ({len(trace.generated_ids)} tokens, "
+                        f"{trace.finish_reason}, {trace.timings['tokens_per_s']:.1f} tok/s)"
+                    )
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(out, {
-        **identity, "limit": args.limit, "out": str(out), "loaded_model": lm.describe(),
-        "prompt_format": "chat_template" if uses_chat_template(lm.tokenizer) else "plain (no chat template)",
-    })
-    store = JsonlStore(out / "generations.jsonl", key=lambda r: r["id"])
-    todo = [(i, p) for i, p in enumerate(problems) if p.id not in store]
-    if len(todo) < len(problems):
-        print(f"resuming: {len(problems) - len(todo)} of {len(problems)} problems already in {store.path}")
-    say = (lambda *_: None) if args.quiet else tqdm.write
-    try:
-        with tqdm(total=len(problems), initial=len(problems) - len(todo), desc=f"{args.dataset}", unit="problem",
-                  file=sys.stderr) as bar:
-            for index, problem in todo:
-                prompt_ids = build_prompt_ids(lm.tokenizer, problem)
-                result = generate(lm, prompt_ids, args.max_new_tokens, temperature=args.temperature,
-                                  seed=args.seed + index)
-                record = _record(problem, args.model, prompt_ids, result, grade(result.text, problem))
-                store.append(record)
-                bar.update(1)
-                say(f"[{problem.id}] gold={_short(problem.answer, 30)} answer={_short(record['answer'], 30)} "
-                    f"{'correct' if record['correct'] else 'wrong'} ({len(result.generated_ids)} tokens, "
-                    f"{record['finish_reason']}, {record['timings']['tokens_per_s']:.1f} tok/s)")
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; {len(store.records)} records are saved in {store.path}; rerun the same command to resume",
-              file=sys.stderr)
-        return 130
+                run_units(
+                    todo,
+                    functools.partial(load_generator, config),
+                    generate_one,
+                    backend,
+                    on_result=lambda _, trace: store.append(trace.to_json()),
+                    progress=progress,
+                    local_worker=Generator(lm, config),
+                )
+        except KeyboardInterrupt:
+            print(
+                f"\ninterrupted; {len(store.records)} records are saved in {store.path}; rerun the same command to "
+                "resume",
+                file=sys.stderr,
+            )
+            return 130
 
-    wanted = {p.id for p in problems}
-    records = [r for r in store.records if r["id"] in wanted]
-    summary = {**summarize(records), "model": args.model, "dataset": args.dataset}
-    with atomic_write(out / "summary.json") as handle:
-        json.dump(summary, handle, indent=2)
-        handle.write("\n")
-    print(format_table(records))
+        wanted = {p.id for p in problems}
+        traces = [
+            Trace.from_json(r, f"{store.path}: record {r.get('id')!r}")
+            for r in store.records
+            if str(r.get("id")) in wanted
+        ]
+        summary = {**summarize(traces), "model": config.model, "dataset": config.dataset}
+        write_json(out / "summary.json", summary)
+    speed = summary["median_tokens_per_s"]
+    print(format_table(traces))
     print(
-        f"\n{args.dataset} with {args.model}: accuracy {summary['accuracy']:.1%} ({summary['correct']}/{summary['problems']}); "
-        f"no answer {summary['no_answer']}, empty {summary['empty_output']}, hit max-new-tokens {summary['truncated']}; "
-        f"median {summary['median_tokens_per_s']:.1f} tok/s\nwritten to {out}/ (generations.jsonl, summary.json, config.json)"
+        f"\n{config.dataset} with {config.model}: accuracy {summary['accuracy']:.1%} "
+        f"({summary['correct']}/{summary['problems']}); no answer {summary['no_answer']}, "
+        f"empty {summary['empty_output']}, hit max-new-tokens {summary['truncated']}; "
+        f"median {'-' if speed is None else f'{speed:.1f}'} tok/s\n"
+        f"written to {out}/ (generations.jsonl, summary.json, config.json)"
     )
     return 0
 
@@ -210,4 +356,6 @@ def _run(argv: list[str] | None) -> int:
 main = main_guard(_run)
 
 if __name__ == "__main__":
+    from tasks.run import main  # this module under its own name, so Ray workers unpickle its functions from there
+
     raise SystemExit(main())

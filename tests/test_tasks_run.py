@@ -1,4 +1,5 @@
-"""The generation CLI (tasks/run.py): outputs, resume without duplicates, bad input -> exit 2 and nothing written."""
+"""The generation CLI (tasks/run.py): trace records, resume without duplicates, the library under it, and bad input
+-> exit 2, one line and nothing written (including --out and --device problems and a second run on one --out)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tasks.generation
+from core.rundir import RunDir
+from core.schemas import Trace, read_records
+from models.loading import load_model
+from tasks.datasets import load_problems
 from tasks.generation import GenerationResult
-from tasks.run import format_table, main, summarize
+from tasks.run import GenerationConfig, format_table, generate_traces, main, summarize
 
 REPO = Path(__file__).resolve().parents[1]
-FIELDS = {"id", "dataset", "model", "prompt_ids", "generated_ids", "text", "answer", "gold", "correct", "finish_reason",
-          "empty_output", "no_answer", "timings"}
+FIELDS = set(
+    "kind id dataset model prompt_ids generated_ids text answer gold correct finish_reason empty_output no_answer "
+    "timings sampling policy".split()
+)
 
 
 @pytest.fixture
@@ -31,10 +39,14 @@ def _read(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def generate(model, problems_file, out, *extra):
+    """`tasks.run` on the gsm8k-style problems file."""
+    return main(["--model", model, "--dataset", "gsm8k", "--data-file", problems_file, "--out", str(out), *extra])
+
+
 def test_run_writes_records_summary_and_config(tiny_dir, problems_file, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--limit", "3",
-                 "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert generate(tiny_dir, problems_file, out, "--limit", "3", "--max-new-tokens", "4") == 0
     records = _read(out / "generations.jsonl")
     assert [r["id"] for r in records] == ["q1", "q2", "q3"]
     for r in records:
@@ -43,10 +55,14 @@ def test_run_writes_records_summary_and_config(tiny_dir, problems_file, tmp_path
         assert 1 <= len(r["generated_ids"]) <= 4 and r["finish_reason"] in ("eos", "length")
         assert set(r["timings"]) == {"prefill_s", "decode_s", "tokens_per_s"}
         assert r["empty_output"] == (not r["text"].strip())
+        assert r["kind"] == "trace" and r["policy"] == "full" and r["eviction"] is None
+        assert r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "seed": 0}
+    assert [t.id for t in read_records(out / "generations.jsonl", Trace)] == ["q1", "q2", "q3"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["problems"] == 3 and summary["accuracy"] == summary["correct"] / 3
     config = json.loads((out / "config.json").read_text())
-    assert config["max_new_tokens"] == 4 and config["data_source"] == str(Path(problems_file).resolve())
+    assert config["max_new_tokens"] == 4 and config["identity"]["data_source"] == str(Path(problems_file).resolve())
+    assert config["identity"]["top_p"] == 1.0 and "limit" not in config["identity"]
     assert config["prompt_format"] == "chat_template" and config["loaded_model"]["layers"] == 4
     printed = capsys.readouterr().out
     assert "accuracy" in printed and "q3" in printed
@@ -54,8 +70,8 @@ def test_run_writes_records_summary_and_config(tiny_dir, problems_file, tmp_path
 
 def test_resume_adds_only_missing_problems_and_repairs_a_torn_line(tiny_dir, problems_file, tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--max-new-tokens", "3",
-            "--out", str(out), "--quiet"]
+    args = ["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--out", str(out), "--quiet"]
+    args += ["--max-new-tokens", "3"]
     assert main(args + ["--limit", "2"]) == 0
     first = _read(out / "generations.jsonl")
     with open(out / "generations.jsonl", "a") as handle:  # a crash in the middle of writing record 3
@@ -75,30 +91,85 @@ def test_different_settings_in_the_same_out_dir_are_refused(tiny_dir, problems_f
     base = ["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--limit", "1", "--out", str(out)]
     assert main(base + ["--max-new-tokens", "2"]) == 0
     assert main(base + ["--max-new-tokens", "5"]) == 2
-    assert "max_new_tokens 2 vs 5" in capsys.readouterr().err
+    assert "max_new_tokens 2 (now 5)" in capsys.readouterr().err
+    assert main(base + ["--max-new-tokens", "2", "--temperature", "0.6", "--top-p", "0.95"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "temperature 0.0 (now 0.6)" in err and "top_p 1.0 (now 0.95)" in err and "\n" not in err
+    assert len(_read(out / "generations.jsonl")) == 1
+
+
+def test_a_second_run_on_the_same_out_exits_2_at_once(tiny_dir, problems_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    with RunDir(out, {"held": "by another run"}):
+        assert generate(tiny_dir, problems_file, out) == 2
+        err = capsys.readouterr().err.strip()
+        assert "is in use by another run" in err and "\n" not in err
+        assert sorted(p.name for p in out.iterdir()) == [".kvscope.lock"]
+
+
+def test_nucleus_sampling_is_recorded_and_reproduced(tiny_dir, problems_file, tmp_path):
+    argv = [
+        "--model",
+        tiny_dir,
+        "--dataset",
+        "gsm8k",
+        "--data-file",
+        problems_file,
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.6",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "3",
+        "--quiet",
+    ]
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "b")]) == 0
+    a, b = _read(tmp_path / "a" / "generations.jsonl"), _read(tmp_path / "b" / "generations.jsonl")
+    assert [r["generated_ids"] for r in a] == [r["generated_ids"] for r in b]
+    assert all(r["sampling"] == {"temperature": 0.6, "top_p": 0.95, "seed": 3} for r in a)
+
+
+def test_library_yields_traces_without_a_cli(tiny_dir, problems_file):
+    config = GenerationConfig(
+        dataset="gsm8k", model=tiny_dir, data_file=problems_file, limit=2, max_new_tokens=3, device="cpu"
+    )
+    lm = load_model(tiny_dir, device="cpu")
+    traces = list(generate_traces(lm, config.problems(), config))
+    assert [t.id for t in traces] == ["q1", "q2"] and all(isinstance(t, Trace) for t in traces)
+    assert all(t.policy == "full" and not t.evicted and 1 <= len(t.generated_ids) <= 3 for t in traces)
+    # each problem draws from its own seed: generating it alone gives the same trace
+    (alone,) = generate_traces(lm, load_problems("gsm8k", data_file=problems_file)[1:2], config)
+    assert alone.generated_ids == traces[1].generated_ids
 
 
 def test_accuracy_summary_and_table_with_a_scripted_model(tiny_dir, problems_file, tmp_path, monkeypatch, capsys):
     """Replace the model's text with known answers to check grading, counts and the printed table end to end."""
     scripted = iter(["so \\boxed{2}", "I think it is 5", "", "#### 8"])  # correct, wrong, empty, correct
 
-    def fake_generate(lm, prompt_ids, max_new_tokens, *, temperature=0.0, seed=0):
+    def fake_generate(lm, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0):
         text = next(scripted)
         return GenerationResult([1, 2] if text else [3], text, "eos" if text else "length", 0.01, 0.02)
 
     monkeypatch.setattr(tasks.generation, "generate", fake_generate)
     out = tmp_path / "run"
-    assert main(["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--out", str(out)]) == 0
+    assert generate(tiny_dir, problems_file, out) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["correct"], summary["accuracy"], summary["no_answer"], summary["empty_output"], summary["truncated"]) == (
-        2, 0.5, 1, 1, 1)
+    counts = ("correct", "accuracy", "no_answer", "empty_output", "truncated")
+    assert tuple(summary[key] for key in counts) == (2, 0.5, 1, 1, 1)
     records = _read(out / "generations.jsonl")
     assert [r["answer"] for r in records] == ["2", "5", None, "8"]
     assert [r["correct"] for r in records] == [True, False, False, True]
     printed = capsys.readouterr().out
     assert "accuracy 50.0% (2/4)" in printed
-    table = format_table(records).splitlines()
+    traces = [Trace.from_json(r) for r in records]
+    table = format_table(traces).splitlines()
     assert table[0].split()[:4] == ["#", "id", "gold", "answer"] and len(table) == 2 + 4
+    assert summarize(traces)["mean_generated"] == (2 + 2 + 1 + 2) / 4
     assert summarize([])["accuracy"] == 0.0
 
 
@@ -110,9 +181,20 @@ def test_accuracy_summary_and_table_with_a_scripted_model(tiny_dir, problems_fil
         (["--dataset", "math500", "--limit", "-3"], "--limit: must be a positive integer, got -3"),
         (["--dataset", "math500", "--max-new-tokens", "0"], "--max-new-tokens: must be a positive integer"),
         (["--dataset", "math500", "--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+        (["--dataset", "math500", "--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+        (["--dataset", "math500", "--top-p", "1.5"], "--top-p: must be in (0, 1], got 1.5"),
+        (["--dataset", "math500", "--device", "bogus"], "--device: 'bogus' is not a device; valid choices: cpu"),
+        pytest.param(
+            ["--dataset", "math500", "--device", "cuda"],
+            "--device: 'cuda': CUDA is not available here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here"),
+        ),
         (["--dataset", "gsm8k", "--data-file", "/nonexistent/problems.jsonl"], "does not exist"),
         (["--dataset", "math500", "--model", "smolm2-135m"], "did you mean 'smollm2-135m'?"),
         (["--model", "smollm2-135m"], "the following arguments are required: --dataset"),
+        (["--dataset", "math500", "--backend", "spark"], "--backend: invalid choice: 'spark'"),
+        (["--dataset", "math500", "--workers", "2"], "--workers 2 needs --backend ray"),
+        (["--dataset", "math500", "--backend", "ray", "--workers", "0"], "--workers: must be a positive integer"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_output(argv, message, tmp_path, capsys):
@@ -120,6 +202,28 @@ def test_bad_input_exits_2_with_one_line_and_no_output(argv, message, tmp_path, 
     assert main(argv + ["--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_or_cannot_be_created_exits_2(tiny_dir, problems_file, tmp_path, capsys):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory\n")
+    assert generate(tiny_dir, problems_file, blocker) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert generate(tiny_dir, problems_file, blocker / "below") == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot create it" in err and "\n" not in err
+    assert blocker.read_text() == "not a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["problems.jsonl", "taken"]
+
+
+def test_empty_data_file_exits_2(tiny_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "never"
+    assert generate(tiny_dir, str(empty), out) == 2
+    err = capsys.readouterr().err.strip()
+    assert "empty.jsonl" in err and "\n" not in err
     assert not out.exists()
 
 
@@ -138,19 +242,27 @@ def test_malformed_data_file_line_is_reported(tmp_path, capsys):
 def test_cli_subprocess_exit_code(argv, tmp_path):
     out = tmp_path / "never"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tasks.run", *argv, "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.run", *argv, "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "error:" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
 
 
 def test_help_explains_every_flag():
-    proc = subprocess.run([sys.executable, "-m", "tasks.run", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.run", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0
-    for flag in ("--model", "--dataset", "--limit", "--max-new-tokens", "--temperature", "--seed", "--data-file",
-                 "--out", "--device", "--dtype", "--quiet"):
+    flags = "--model --dataset --limit --max-new-tokens --temperature --top-p --seed --data-file --out --device --dtype"
+    backend = "--backend --address --workers --gpus-per-worker --cpus-per-worker"
+    for flag in [*flags.split(), *backend.split(), "--quiet"]:
         assert flag in proc.stdout
 
 
@@ -159,8 +271,8 @@ def test_smollm2_demo_run(smollm2, tmp_path, data_dir, monkeypatch, capsys):
     """The README demo, shortened: SmolLM2 on the first MATH-500 problem with a small token budget."""
     monkeypatch.setenv("KVSCOPE_DATA_DIR", data_dir)
     out = tmp_path / "demo"
-    assert main(["--model", "smollm2-135m", "--dataset", "math500", "--limit", "1", "--max-new-tokens", "12",
-                 "--out", str(out)]) == 0
+    argv = ["--model", "smollm2-135m", "--dataset", "math500", "--limit", "1", "--max-new-tokens", "12"]
+    assert main([*argv, "--out", str(out)]) == 0
     (record,) = _read(out / "generations.jsonl")
     assert record["id"] == "test/precalculus/807.json" and len(record["generated_ids"]) <= 12
     assert record["prompt_ids"][0] == smollm2.tokenizer.convert_tokens_to_ids("<|im_start|>")
