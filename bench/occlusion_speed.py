@@ -19,6 +19,7 @@ the fast method, short ones leave the prefill of the occluded suffix, which no m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
 from core.errors import UsageError  # noqa: E402
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fast method: rows per batch (default 32, the labeller's default)")
     parser.add_argument("--traces-per-batch", type=positive_int, default=4,
                         help="fast method: traces labelled together, their windows sharing batches (default 4)")
-    parser.add_argument("--replacement", default="pad", help="pad, space, dot, delete or a token id (default pad)")
+    parser.add_argument("--replacement", default="pad",
+                        help="auto, pad, space, dot, delete or a token id (default pad, as measured in README.md)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads for both methods (default: torch's, all cores, as the labeller runs; "
                         "on a machine shared with other jobs, 1 avoids oversubscription)")
@@ -60,74 +61,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from tasks.datasets import DATASETS
+    from tasks.datasets import check_dataset
 
-    if args.dataset not in DATASETS:
-        from core.errors import unknown_choice
-
-        raise unknown_choice("dataset", args.dataset, DATASETS)
-    if args.traces is not None and not Path(args.traces).is_file():
-        raise UsageError(f"--traces {args.traces!r} does not exist")
+    check_dataset(args.dataset)
 
     import torch
 
-    from labeling.occlusion import OcclusionLabeler, resolve_replacement
+    from core.schemas import Trace, read_records
+    from labeling.occlusion import OcclusionConfig, OcclusionLabeler, make_units
     from models.loading import load_model
-    from core.records import read_jsonl
-    from tasks.generation import generate, stop_token_ids
-    from tasks.grading import extract_answer, is_equivalent
+    from tasks.generation import generate
 
+    config = OcclusionConfig(window=args.window, stride=args.stride, replacement=args.replacement,
+                             max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
+                             traces_per_batch=args.traces_per_batch)
+    traces = read_records(args.traces, Trace)[: args.limit] if args.traces is not None else []
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")
-    if args.traces is not None:
-        traces = list(read_jsonl(args.traces))[: args.limit]
-    else:
+    if args.traces is None:
         from tasks.datasets import load_problems
         from tasks.prompts import build_prompt_ids
 
-        traces = []
         for problem in load_problems(args.dataset, limit=args.n_traces):
             prompt = build_prompt_ids(lm.tokenizer, problem)
             result = generate(lm, prompt, args.max_new_tokens)
-            traces.append({"id": problem.id, "prompt_ids": prompt, "generated_ids": result.generated_ids})
+            traces.append(Trace(id=problem.id, dataset=args.dataset, model=args.model, prompt_ids=prompt,
+                                generated_ids=result.generated_ids))
             print(f"generated {problem.id}: {len(result.generated_ids)} tokens", file=sys.stderr)
 
-    def labeler(method: str) -> OcclusionLabeler:
-        return OcclusionLabeler(model=lm.model, tokenizer=lm.tokenizer,
-                                answer_of=lambda text: extract_answer(text, args.dataset), same=is_equivalent,
-                                stop_ids=stop_token_ids(lm.tokenizer, lm.model), window=args.window,
-                                stride=args.stride, replacement=resolve_replacement(lm.tokenizer, args.replacement),
-                                max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size, method=method)
-
-    naive, fast = labeler("naive"), labeler("fast")
+    naive = OcclusionLabeler.for_model(lm, dataclasses.replace(config, method="naive"), args.dataset)
+    fast = OcclusionLabeler.for_model(lm, config, args.dataset)
     rows, groups = [], []
     print(f"{'trace':<36} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8}  identical")
-    for first in range(0, len(traces), args.traces_per_batch):
-        group = traces[first:first + args.traces_per_batch]
-        pairs = [(t["prompt_ids"], t["generated_ids"]) for t in group]
+    for unit in make_units(traces, args.traces_per_batch):
         start = time.perf_counter()
-        fast_records = fast.label_many(pairs)
+        fast_records = fast.label_unit(unit)
         fast_s = time.perf_counter() - start
         naive_s = 0.0
-        for trace, pair, b in zip(group, pairs, fast_records):
+        for trace, b in zip(unit.traces, fast_records):
             start = time.perf_counter()
-            a = naive.label(*pair)
+            a = naive.label(trace)
             seconds = time.perf_counter() - start
-            if a["status"] != "labelled" or b["status"] != "labelled":
-                print(f"{str(trace['id'])[-36:]:<36} skipped: {a.get('reason')} / {b.get('reason')}")
+            if not (a.labelled and b.labelled):
+                print(f"{trace.id[-36:]:<36} skipped: {a.reason} / {b.reason}")
                 continue
             naive_s += seconds
             identical = a == b  # labels, windows with their answers, reference text: everything
-            row = {"trace": str(trace["id"]), "tokens": a["n_tokens"], "windows": len(a["windows"]),
-                   "flips": sum(w["flipped"] for w in a["windows"]), "naive_s": seconds, "identical": identical}
+            row = {"trace": trace.id, "tokens": a.n_tokens, "windows": len(a.windows),
+                   "flips": sum(w["flipped"] for w in a.windows), "naive_s": seconds, "identical": identical}
             rows.append(row)
             print(f"{row['trace'][-36:]:<36} {row['tokens']:>6} {row['windows']:>7} {row['flips']:>5} "
                   f"{row['naive_s']:>8.1f}  {'yes' if identical else 'NO'}")
         if naive_s:
-            groups.append({"traces": [str(t["id"]) for t in group], "naive_s": naive_s, "fast_s": fast_s,
-                           "ratio": naive_s / fast_s})
-            print(f"  group of {len(group)}: naive {naive_s:.1f} s, fast {fast_s:.1f} s, ratio {naive_s / fast_s:.2f}")
+            groups.append({"traces": unit.ids, "naive_s": naive_s, "fast_s": fast_s, "ratio": naive_s / fast_s})
+            print(f"  group of {len(unit.traces)}: naive {naive_s:.1f} s, fast {fast_s:.1f} s, "
+                  f"ratio {naive_s / fast_s:.2f}")
     if not rows:
         raise UsageError("no trace had a reasoning span of at least one window")
     summary = {

@@ -1,7 +1,9 @@
 """Combine the shard outputs of ``python -m labeling.occlusion --shard I/N`` into one ``labels.jsonl``.
 
-``python -m labeling.merge DIR`` checks that all N shards are present, were made with the same label-affecting
-settings, and each holds every trace assigned to it, then writes ``DIR/labels.jsonl`` (traces in shard order) and
+``python -m labeling.merge DIR`` checks that all N shards are present, were made with the same identity (the
+settings that change a label), and each holds exactly the traces assigned to it, then claims ``DIR`` as an
+unsharded run of that identity (so a concurrent merge or unsharded run, or an unsharded run made differently, is
+refused) and writes ``DIR/labels.jsonl`` (traces in the order an unsharded run would label them) and
 ``DIR/config.json``. Nothing is written when a check fails.
 """
 
@@ -10,24 +12,27 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
-from labeling.occlusion import LABEL_IDENTITY
-from core.cli import ArgumentParser, atomic_write, main_guard, save_config
+from core.cli import ArgumentParser, atomic_write, main_guard
 from core.errors import UsageError
-from core.records import read_jsonl
+from core.rundir import RunDir, identity_differences
+from core.schemas import Label, iter_records
 
 _SHARD_CONFIG = re.compile(r"^config\.shard-(\d+)-of-(\d+)\.json$")
 
 
-
-def merge(out: Path) -> tuple[Path, int]:
-    """Merge the shards in `out`; returns the merged file and its record count."""
-    if not out.is_dir():
-        raise UsageError(f"{str(out)!r} is not a directory")
-    found = {}
+def _shard_configs(out: Path) -> dict[int, dict[str, Any]]:
+    found: dict[tuple[int, int], dict[str, Any]] = {}
     for path in out.iterdir():
         if match := _SHARD_CONFIG.match(path.name):
-            found[(int(match.group(1)), int(match.group(2)))] = json.loads(path.read_text())
+            try:
+                config = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise UsageError(f"{path} is not valid JSON") from None
+            if not isinstance(config, dict) or "identity" not in config or "trace_ids" not in config:
+                raise UsageError(f"{path} is not a labeling.occlusion shard configuration")
+            found[(int(match.group(1)), int(match.group(2)))] = config
     if not found:
         raise UsageError(f"no shard outputs (config.shard-I-of-N.json) in {str(out)!r}")
     counts = {n for _, n in found}
@@ -37,36 +42,50 @@ def merge(out: Path) -> tuple[Path, int]:
     missing = [i for i in range(count) if (i, count) not in found]
     if missing:
         raise UsageError(f"shards {missing} of {count} are missing in {str(out)!r}")
-    first = found[(0, count)]
-    for (index, _), config in sorted(found.items()):
-        diffs = [k for k in LABEL_IDENTITY if config.get(k) != first.get(k)]
-        if diffs:
-            raise UsageError(f"shard {index} was made with different settings ({', '.join(diffs)}) than shard 0")
-    records, seen = [], set()
+    return {index: config for (index, _), config in found.items()}
+
+
+def merge(out: Path) -> tuple[Path, int]:
+    """Merge the shards in `out`; returns the merged file and its record count."""
+    if not out.is_dir():
+        raise UsageError(f"{str(out)!r} is not a directory")
+    configs = _shard_configs(out)
+    count, identity = len(configs), configs[0]["identity"]
+    for index, config in sorted(configs.items()):
+        differences = identity_differences(identity, config["identity"])
+        if differences:
+            raise UsageError(f"shard {index} was made with other settings than shard 0: {'; '.join(differences)}")
+    by_id: dict[str, Label] = {}
     for index in range(count):
         path = out / f"labels.shard-{index}-of-{count}.jsonl"
-        shard_records = list(read_jsonl(path)) if path.exists() else []
-        expected = found[(index, count)]["n_traces"]
-        if len(shard_records) != expected:
-            raise UsageError(f"shard {index} holds {len(shard_records)} of its {expected} traces; finish it first "
+        records = list(iter_records(path, Label)) if path.exists() else []
+        expected = configs[index]["trace_ids"]
+        if sorted(r.id for r in records) != sorted(expected):
+            raise UsageError(f"shard {index} holds {len(records)} of its {len(expected)} traces; finish it first "
                              "(rerun its command to resume)")
-        for record in shard_records:
-            if record["trace_id"] in seen:
-                raise UsageError(f"trace {record['trace_id']!r} appears in more than one shard")
-            seen.add(record["trace_id"])
-            records.append(record)
-    target = out / "labels.jsonl"
-    with atomic_write(target) as handle:
         for record in records:
-            handle.write(json.dumps(record) + "\n")
-    save_config(out, {**{k: first.get(k) for k in LABEL_IDENTITY}, "merged_shards": count,
-                      "n_traces": len(records)})
-    return target, len(records)
+            if record.id in by_id:
+                raise UsageError(f"trace {record.id!r} appears in more than one shard")
+            by_id[record.id] = record
+    # Shard i labels the traces i, i + N, i + 2N, ... of the unsharded selection (`labeling.occlusion.shard_traces`):
+    # interleaving restores its order.
+    order = [configs[index]["trace_ids"][j] for j in range(max(len(c["trace_ids"]) for c in configs.values()))
+             for index in range(count) if j < len(configs[index]["trace_ids"])]
+    with RunDir(out, identity) as run:
+        target = out / "labels.jsonl"
+        with atomic_write(target) as handle:
+            for trace_id in order:
+                handle.write(json.dumps(by_id[trace_id].to_json()) + "\n")
+        first = configs[0]
+        run.save_config(config=first.get("config"), replacement=first.get("replacement"), merged_shards=count,
+                        n_traces=len(order), trace_ids=order)
+    return target, len(order)
 
 
 def _run(argv: list[str] | None) -> int:
     parser = ArgumentParser(prog="python -m labeling.merge",
-                     description="Combine labels.shard-I-of-N.jsonl files of one occlusion run into labels.jsonl.")
+                            description="Combine labels.shard-I-of-N.jsonl files of one occlusion run into "
+                            "labels.jsonl.")
     parser.add_argument("out", help="the --out directory the shards wrote to")
     args = parser.parse_args(argv)
     target, n = merge(Path(args.out))

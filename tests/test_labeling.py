@@ -8,12 +8,23 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from labeling.occlusion import OcclusionLabeler, resolve_replacement
-from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
+from core.errors import UsageError
+from core.schemas import Label, Trace
 from labeling import speculative
+from labeling.agreement import cohen_kappa, label_agreement
+from labeling.occlusion import (
+    OcclusionConfig,
+    OcclusionLabeler,
+    estimate_seconds,
+    label_traces,
+    make_units,
+    refuse_evicted,
+    select_traces,
+)
+from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
+from labeling.replacement import pad_problem, resolve_replacement
 from labeling.speculative import NgramLookup, _compact, _join, speculative_greedy
 from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
-from core.errors import UsageError
 from models.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,15 +71,149 @@ def test_find_answer_boundary_think_boxed_tail():
 
 def test_resolve_replacement():
     tok = tiny_tokenizer()
-    assert resolve_replacement(tok, "pad") == tok.pad_token_id
-    assert resolve_replacement(tok, "space") == tok.encode(" ", add_special_tokens=False)[0]
-    assert resolve_replacement(tok, "dot") == tok.encode(".", add_special_tokens=False)[0]
-    assert resolve_replacement(tok, "delete") is None
-    assert resolve_replacement(tok, "7") == 7
+    space, dot = (tok.encode(text, add_special_tokens=False)[0] for text in (" ", "."))
+    assert resolve_replacement(tok, "pad").token_id == tok.pad_token_id
+    assert resolve_replacement(tok, "space").token_id == space
+    assert resolve_replacement(tok, "dot").to_json() == {"spec": "dot", "chosen": "dot", "token_id": dot, "text": "."}
+    assert resolve_replacement(tok, "delete").token_id is None
+    assert resolve_replacement(tok, "7").to_json() == {"spec": "7", "chosen": "id", "token_id": 7,
+                                                       "text": tok.decode([7])}
     with pytest.raises(UsageError, match="out of range"):
         resolve_replacement(tok, "100000")
     with pytest.raises(UsageError, match="valid choices"):
         resolve_replacement(tok, "blank")
+
+
+def test_auto_replacement_keeps_a_dedicated_pad_token():
+    tok = tiny_tokenizer()  # pad <|pad|>: neither EOS, BOS, a stop token nor in the chat template
+    assert pad_problem(tok, [tok.eos_token_id]) is None
+    auto = resolve_replacement(tok, "auto", [tok.eos_token_id])
+    assert (auto.chosen, auto.token_id, auto.text, auto.note) == ("pad", tok.pad_token_id, "<|pad|>", None)
+
+
+@pytest.mark.parametrize("pad, problem", [
+    ("<|eos|>", "end-of-sequence"),  # SmolLM2: pad = <|im_end|> = EOS
+    ("<|bos|>", "beginning-of-sequence"),
+    ("<|user|>", "chat template"),  # a turn marker
+    ("</think>", "stop token"),  # stands for Qwen's pad <|endoftext|>, one of its stop tokens
+])
+def test_auto_replacement_avoids_a_structural_pad_token(pad, problem):
+    tok = tiny_tokenizer()
+    tok.pad_token = pad
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("</think>")]
+    assert problem in pad_problem(tok, stops)
+    auto = resolve_replacement(tok, "auto", stops)
+    space = tok.encode(" ", add_special_tokens=False)
+    assert (auto.spec, auto.chosen, [auto.token_id], auto.text) == ("auto", "space", space, " ")
+    assert problem in auto.to_json()["note"]
+    literal = resolve_replacement(tok, "pad", stops)  # asked for explicitly: honoured, with the warning recorded
+    assert literal.token_id == tok.convert_tokens_to_ids(pad) and problem in literal.note
+
+
+def test_auto_replacement_falls_back_to_a_dot_then_refuses():
+    tok = tiny_tokenizer()
+    tok.pad_token = tok.eos_token
+    real_encode = tok.encode
+
+    def encode(text, **kw):  # a vocabulary where " " is not one token (it splits, as some SentencePiece ones do)
+        return real_encode(text, **kw) * 2 if text == " " else real_encode(text, **kw)
+
+    tok.encode = encode
+    assert resolve_replacement(tok, "auto").chosen == "dot"
+    with pytest.raises(UsageError, match="space.*not a single token"):
+        resolve_replacement(tok, "space")
+    tok.encode = lambda text, **kw: real_encode(text, **kw) * 2
+    with pytest.raises(UsageError, match="neither ' ' nor '.'.*token id"):
+        resolve_replacement(tok, "auto")
+
+
+def test_occlusion_config_checks_and_identity():
+    config = OcclusionConfig(window=8, stride=4, batch_size=2, traces_per_batch=1, method="naive")
+    assert config.identity() == {"window": 8, "stride": 4, "replacement": "auto", "max_answer_tokens": 512,
+                                 "include_incorrect": False, "allow_evicted": False, "tail": 64, "dtype": "float32"}
+    # how the work is grouped and computed is not part of what the labels mean
+    assert OcclusionConfig(window=8, stride=4).identity() == config.identity()
+    for bad, message in [({"stride": 40}, "untested"), ({"replacement": "blank"}, "valid choices"),
+                         ({"method": "quick"}, "valid choices"), ({"window": 0}, "positive"),
+                         ({"dtype": "int8"}, "valid choices")]:
+        with pytest.raises(UsageError, match=message):
+            OcclusionConfig(**bad)
+
+
+def _trace(prompt, generated, trace_id="t", **fields) -> Trace:
+    return Trace(id=trace_id, dataset="gsm8k", model="tiny", prompt_ids=list(prompt), generated_ids=list(generated),
+                 **fields)
+
+
+def test_select_traces_and_refuse_evicted():
+    dense = [_trace([1], [2], "a", correct=True), _trace([1], [2], "b", correct=False)]
+    assert [t.id for t in select_traces(dense, OcclusionConfig())] == ["a"]
+    assert [t.id for t in select_traces(dense, OcclusionConfig(include_incorrect=True))] == ["a", "b"]
+    never_evicted = _trace([1], [2], "c", policy="h2o", eviction={"rounds": 0})  # ran with a policy, lost nothing
+    evicted = [_trace([1], [2], f"e{i}", policy="h2o", eviction={"rounds": 3}) for i in range(2)]
+    refuse_evicted([*dense, never_evicted], OcclusionConfig(), "x")
+    with pytest.raises(UsageError, match=r"x: 2 of 4 traces were generated under eviction \(policy h2o \(2\)\).*"
+                                         "--allow-evicted"):
+        refuse_evicted([*dense, *evicted], OcclusionConfig(), "x")
+    refuse_evicted(evicted, OcclusionConfig(allow_evicted=True), "x")
+
+
+def test_make_units_groups_in_order():
+    traces = [_trace([1], [2], str(i)) for i in range(5)]
+    assert [unit.ids for unit in make_units(traces, 2)] == [["0", "1"], ["2", "3"], ["4"]]
+    assert make_units([], 2) == []
+
+
+def test_estimate_by_hand():
+    config = OcclusionConfig(window=32, stride=16, max_answer_tokens=512)
+    # 10 problems of 512 tokens at 8 tokens/s: 640 s of generation. Reasoning span 512 - 64 = 448: windows at
+    # 0, 16, ..., 416 (27), + 1 reference, each regenerating min(512, 64) tokens: 10 * 28 * 64 / 8 = 2240 s.
+    assert estimate_seconds(10, 512, config, 8.0) == (640.0, 2240.0)
+    assert estimate_seconds(10, 80, config, 8.0) == (100.0, 0)  # span 16 < window: nothing to label
+
+
+def test_decode_tokens_counts_regenerations_times_answer_span():
+    tok = tiny_tokenizer()
+    labeler = OcclusionLabeler(model=None, tokenizer=tok, answer_of=str, same=str.__eq__, stop_ids=[],
+                               config=OcclusionConfig(window=8, stride=4, max_answer_tokens=5))
+    # reasoning 20 tokens (windows at 0, 4, 8, 12 = 4, + 1 reference), answer span "\\boxed{42}" = 10 tokens
+    trace = _trace(tok.encode("Q"), tok.encode("x" * 20 + "\\boxed{42}", add_special_tokens=False))
+    assert labeler.regenerations(trace) == 5
+    assert labeler.decode_tokens(trace) == 5 * 5  # capped at max_answer_tokens
+    labeler.config = OcclusionConfig(window=8, stride=4, max_answer_tokens=512)
+    assert labeler.decode_tokens(trace) == 5 * 10
+
+
+def _label(labels, trace_id="t", reasoning_start=2, status="labelled", token_ids=None) -> Label:
+    return Label(id=trace_id, dataset="gsm8k", model="m", status=status, labels=labels, reasoning_start=reasoning_start,
+                 answer_start=len(labels), token_ids=token_ids or list(range(len(labels) + 3)))
+
+
+def test_cohen_kappa_by_hand():
+    # observed 0.75; p_a = 0.5, p_b = 0.25: chance 0.5 * 0.25 + 0.5 * 0.75 = 0.5; kappa (0.75 - 0.5) / 0.5 = 0.5
+    assert cohen_kappa([1, 1, 0, 0], [1, 0, 0, 0]) == 0.5
+    assert cohen_kappa([1, 0, 1, 0], [0, 1, 0, 1]) == -1.0
+    assert cohen_kappa([0, 1], [0, 1]) == 1.0
+    assert cohen_kappa([1, 1], [1, 1]) is None  # chance agreement 1: undefined
+    assert cohen_kappa([], []) is None
+    with pytest.raises(ValueError, match="length"):
+        cohen_kappa([1], [1, 0])
+
+
+def test_label_agreement_pools_reasoning_positions_of_shared_traces():
+    a = [_label([1, 1, 1, 1, 0, 0], "t1"), _label([1, 1, 0, 1], "t2"), _label([1, 1, 1], "only-a"),
+         _label([1, 1, 0], "skipped-b")]
+    b = [_label([1, 1, 1, 0, 0, 0], "t1"), _label([1, 1, 0, 0], "t2"), _label([1, 1, 0], "only-b"),
+         Label(id="skipped-b", dataset="gsm8k", model="m", status="skipped", reason="no answer")]
+    result = label_agreement(a, b)
+    # reasoning positions (from 2): t1 a=[1,1,0,0] b=[1,0,0,0]; t2 a=[0,1] b=[0,0] -> 4 of 6 equal
+    # p_a = 3/6, p_b = 1/6, chance = 1/12 + 5/12 = 1/2, kappa = (2/3 - 1/2) / (1/2) = 1/3; prompt 1s are ignored
+    assert (result.traces, result.positions) == (2, 6)
+    assert result.agreement == pytest.approx(4 / 6) and result.kappa == pytest.approx(1 / 3)
+    assert result.important_a == pytest.approx(0.5) and result.important_b == pytest.approx(1 / 6)
+    assert result.only_a == ("only-a", "skipped-b") and result.only_b == ("only-b",)
+    with pytest.raises(ValueError, match="differs"):
+        label_agreement([_label([1, 1, 0])], [_label([1, 1, 0], token_ids=[9, 9, 9])])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
@@ -198,44 +343,55 @@ def test_prefix_cache_cuts_full_attention_and_only_extends_sliding(tiny_llama, t
 
 def _labeler(lm, method, **kw):
     tok = lm.tokenizer
-    settings = {"window": 8, "stride": 4, "replacement": tok.pad_token_id, "max_answer_tokens": 8, "batch_size": 4,
-                **kw}
+    config = OcclusionConfig(**{"window": 8, "stride": 4, "replacement": "pad", "max_answer_tokens": 8,
+                                "batch_size": 4, "method": method, **kw})
     return OcclusionLabeler(model=lm.model, tokenizer=tok, answer_of=lambda text: text[:4] or None,
-                            same=lambda a, b: a == b, stop_ids=[tok.eos_token_id], method=method, **settings)
+                            same=lambda a, b: a == b, stop_ids=[tok.eos_token_id], config=config)
 
 
 def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
     tok = chaotic_tiny.tokenizer
-    prompt = tok.encode(PROMPT)
-    generated = tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False)
-    fast = _labeler(chaotic_tiny, "fast").label(prompt, generated)
-    naive = _labeler(chaotic_tiny, "naive").label(prompt, generated)
-    again = _labeler(chaotic_tiny, "fast").label(prompt, generated)
-    assert fast["status"] == "labelled" and fast["boundary"] == "boxed"
-    for key in ("labels", "windows", "reference_answer", "answer_start", "positions"):
-        assert fast[key] == naive[key] == again[key], key
-    assert fast["labels"][: len(prompt)] == [1] * len(prompt)
-    assert len(fast["labels"]) == fast["answer_start"]
-    windows = fast["windows"]
-    flipped = {p for w in windows if w["flipped"] for p in range(w["start"], w["end"])}
-    assert [i for i, v in enumerate(fast["labels"]) if v and i >= len(prompt)] == sorted(flipped)
+    trace = _trace(tok.encode(PROMPT), tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False),
+                   answer="42", gold="42", correct=True)
+    fast = _labeler(chaotic_tiny, "fast").label(trace)
+    naive = _labeler(chaotic_tiny, "naive").label(trace)
+    again = _labeler(chaotic_tiny, "fast").label(trace)
+    assert fast.status == "labelled" and fast.boundary == "boxed"
+    assert fast == naive == again  # every field: labels, windows with their answers, reference text, replacement
+    assert (fast.id, fast.trace_answer, fast.gold, fast.correct) == ("t", "42", "42", True)
+    assert fast.replacement == {"spec": "pad", "chosen": "pad", "token_id": tok.pad_token_id, "text": "<|pad|>"}
+    prompt = len(trace.prompt_ids)
+    assert fast.labels[:prompt] == [1] * prompt
+    assert len(fast.labels) == fast.answer_start
+    flipped = {p for w in fast.windows if w["flipped"] for p in range(w["start"], w["end"])}
+    assert [i for i, v in enumerate(fast.labels) if v and i >= prompt] == sorted(flipped)
+    assert Label.from_json(fast.to_json()) == fast
 
 
 def test_traces_labelled_together_equal_each_labelled_naively(chaotic_tiny):
-    """Windows of traces of different lengths share batches (ragged rows); a too-short trace is skipped in place."""
+    """Windows of traces of different lengths share batches (ragged rows); a too-short trace is skipped in place;
+    the labels do not depend on how traces are grouped into units."""
     tok = chaotic_tiny.tokenizer
     prompt = tok.encode(PROMPT)
-    traces = [(prompt, tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False)),
-              (prompt, tok.encode("ok \\boxed{1}", add_special_tokens=False)),
-              (prompt, tok.encode(REASONING[:50] + " \\boxed{7}", add_special_tokens=False))]
-    together = _labeler(chaotic_tiny, "fast", batch_size=16).label_many(traces)
-    alone = [_labeler(chaotic_tiny, "naive").label(p, g) for p, g in traces]
-    assert [r["status"] for r in together] == ["labelled", "skipped", "labelled"]
-    assert together == alone
+    traces = [_trace(prompt, tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False), "a"),
+              _trace(prompt, tok.encode("ok \\boxed{1}", add_special_tokens=False), "b"),
+              _trace(prompt, tok.encode(REASONING[:50] + " \\boxed{7}", add_special_tokens=False), "c")]
+    together = label_traces(_labeler(chaotic_tiny, "fast", batch_size=16, traces_per_batch=3), traces)
+    pairs = label_traces(_labeler(chaotic_tiny, "fast", batch_size=16, traces_per_batch=2), traces)
+    alone = [_labeler(chaotic_tiny, "naive").label(trace) for trace in traces]
+    assert [r.status for r in together] == ["labelled", "skipped", "labelled"]
+    assert [r.id for r in together] == ["a", "b", "c"]
+    assert together == pairs == alone
 
 
 def test_labeler_skips_short_spans(tiny_llama):
     tok = tiny_llama.tokenizer
-    generated = tok.encode("ok \\boxed{1}", add_special_tokens=False)
-    record = _labeler(tiny_llama, "fast").label(tok.encode(PROMPT), generated)
-    assert record["status"] == "skipped" and "reasoning span 3 < window 8" in record["reason"]
+    trace = _trace(tok.encode(PROMPT), tok.encode("ok \\boxed{1}", add_special_tokens=False))
+    record = _labeler(tiny_llama, "fast").label(trace)
+    assert record.status == "skipped" and "reasoning span 3 < window 8" in record.reason
+    assert record.labels is None and record.replacement["token_id"] == tok.pad_token_id
+
+
+def test_old_label_records_still_read():
+    old = {"trace_id": 7, "dataset": "gsm8k", "model": "m", "status": "skipped", "reason": "no answer"}
+    assert Label.from_json(old).id == "7"
