@@ -99,7 +99,7 @@ def _pack(tokenizer, pieces: Iterator[Piece], ctx: int, separator: str = "\n\n")
 
 def _rotated(pieces: list[Piece], variant: int, step: int) -> Iterator[Piece]:
     if not pieces:
-        raise UsageError("a calibration category has no source text on this machine")
+        raise UsageError("a calibration category has no source text in the installed packages")
     start = (variant * step) % len(pieces)
     return itertools.cycle(pieces[start:] + pieces[:start])
 

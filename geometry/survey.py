@@ -6,6 +6,8 @@ Writes into --out: ``config.json`` (resolved settings, calibration hash, what po
 (one record of per-head statistics per calibration sequence; a rerun resumes after the last finished one),
 and the tables ``heads_kv``, ``heads_q``, ``layers``, ``model`` as ``.csv`` and ``.json``. Prints the model-level
 rows. Definitions: `geometry.stats`, `geometry.measure`, aggregation rules: `geometry.summary`.
+
+From Python: ``run_survey(SurveyConfig(model="smollm2-135m", prompts=20), out)`` returns the same tables.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -21,111 +25,166 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from core.cli import DTYPES, ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int
+from core.errors import UsageError, unknown_choice
+from core.records import JsonlStore
+from core.rundir import RunDir, check_identity
 from geometry.calibration import CATEGORIES, calibration_digest, calibration_prompts
-from geometry.measure import KEY_SPACES, MeasureSettings, layer_specs, measure_sequence, weight_norms
+from geometry.measure import KEY_SPACES, MeasureSettings, measure_sequence, weight_norms
 from geometry.stats import JACCARD_MARGIN
 from geometry.summary import MODEL_COLUMNS, GeometryAccumulator, build_tables
-from core.cli import ArgumentParser, atomic_write, main_guard, positive_int, save_config
-from core.errors import UsageError
+from models.hooks import layer_specs
 from models.loading import load_model
-from core.records import JsonlStore
 from models.registry import DEFAULT_MODEL
 
 TABLES = ("heads_kv", "heads_q", "layers", "model")
-# Settings a resumed run must share with the records already on disk (tau only enters the aggregation).
-RUN_KEYS = ("ctx", "topk", "queries", "key_space")
-MEASUREMENT_KEYS = ("model", "weights", "dtype", *RUN_KEYS)
+# Settings a resumed run must share with the records already on disk: the prompt count only extends the run, and
+# tau and chunk enter the aggregation or the memory use, not a record.
+RUN_KEYS = ("ctx", "topk", "queries", "key_space", "dtype")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SurveyConfig:
+    """A geometry survey; every field is the command-line flag of the same name (``key_space``: ``--key-space``)."""
+
+    model: str = DEFAULT_MODEL
+    prompts: int = 20  # calibration sequences, cycling through the categories; a finished run may be extended
+    ctx: int = 2048  # tokens per calibration sequence
+    tau: float = 0.3  # sink threshold on the mean attention to position 0
+    topk: int = 256  # k of the top-k attention Jaccard
+    queries: int = 128  # query positions of the Jaccard statistic
+    key_space: str = "post_rope"
+    chunk: int = 256  # query rows per attention block (memory only)
+    device: str | None = None
+    dtype: str = "float32"
+
+    def check(self) -> None:
+        """Refuse settings that are wrong before anything is loaded or written."""
+        for name in ("prompts", "ctx", "topk", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+        if self.key_space not in KEY_SPACES:
+            raise unknown_choice("key space", self.key_space, KEY_SPACES)
+        if self.dtype not in DTYPES:
+            raise unknown_choice("dtype", self.dtype, DTYPES)
+        if not 0 < self.tau < 1:
+            raise UsageError(f"--tau must be in (0, 1), got {self.tau}")
+        if self.queries < 2:
+            raise UsageError(f"--queries must be at least 2, got {self.queries}")
+        minimum = self.topk + JACCARD_MARGIN + 2
+        if self.ctx < minimum:
+            raise UsageError(
+                f"--ctx {self.ctx} is too small for --topk {self.topk}: the Jaccard statistic samples queries in "
+                f"[topk+{JACCARD_MARGIN}, ctx-1] and needs two of them, so --ctx must be at least {minimum}"
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the records already on disk."""
+        return {"model": self.model, **{k: getattr(self, k) for k in RUN_KEYS}}
+
+
+@dataclass(frozen=True)
+class SurveyResult:
+    """A finished survey: its tables (`TABLES`, each a list of rows as in the ``.csv`` files) and where they are."""
+
+    tables: dict[str, list[dict[str, Any]]]
+    out: Path
+
+
+def default_out(model: str) -> Path:
+    return Path("runs") / "geometry" / Path(model).name.replace(".gguf", "")
+
+
+def run_survey(config: SurveyConfig, out: str | os.PathLike | None = None, *, progress: bool = True) -> SurveyResult:
+    """Survey `config.model` into `out` (default ``runs/geometry/<model>``), resuming the sequences already measured
+    there, and write the tables. Bad settings are a `UsageError` before anything is written; a second run on the
+    same `out` is refused at once."""
+    config.check()
+    out = Path(out) if out is not None else default_out(config.model)
+    # Settings known before loading are checked at the claim, so a refused resume does not wait for the model.
+    with RunDir(out, config.identity()) as run:
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        limit = getattr(lm.config, "max_position_embeddings", None)
+        if limit is not None and config.ctx > limit:
+            raise UsageError(f"--ctx {config.ctx} exceeds the model's max_position_embeddings {limit}")
+        prompts = calibration_prompts(lm.tokenizer, config.prompts, config.ctx)
+        resolved = _resolved_config(config, lm, prompts)
+        # The weights behind a registry name can change (a reinstalled GGUF): known only once loaded.
+        identity = {**run.identity, "weights": resolved["weights"]}
+        check_identity(run.config_path, identity, f"--out {str(out)!r}")
+        run.identity = identity
+        store_path = out / "records.jsonl"
+        if store_path.exists():
+            _check_records(store_path, {p.id: p.sha256 for p in prompts})
+        run.save_config(**resolved)
+        store = run.store("records.jsonl", key="prompt")
+        settings = MeasureSettings(topk=config.topk, n_queries=config.queries, key_space=config.key_space,
+                                   chunk=config.chunk)
+        todo = [p for p in prompts if p.id not in store]
+        for prompt in tqdm(todo, desc=f"geometry {lm.name}", unit="seq", file=sys.stderr, disable=not progress):
+            input_ids = torch.tensor([prompt.input_ids], device=lm.device)
+            record = measure_sequence(lm.model, input_ids, settings)
+            store.append({"prompt": prompt.id, "category": prompt.category, "sha256": prompt.sha256,
+                          "leading_token": prompt.input_ids[0], **record})
+
+        accumulator = GeometryAccumulator(config.tau)
+        wanted = {p.id for p in prompts}
+        for record in store.records:
+            if record["prompt"] in wanted:
+                accumulator.add(record)
+        tables = build_tables(accumulator.means(), layer_specs(lm.model), weight_norms(lm.model), lm.name)
+        for name in TABLES:
+            write_table(out / name, tables[name])
+    return SurveyResult({name: tables[name] for name in TABLES}, out)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    defaults = SurveyConfig()
     parser = ArgumentParser(prog="python -m geometry.survey", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL,
+    parser.add_argument("--model", default=defaults.model,
                         help="registry name (smollm2-135m, gemma3-270m, ...), local HF directory, .gguf file or hub id "
-                             f"(default {DEFAULT_MODEL})")
-    parser.add_argument("--prompts", type=positive_int, default=20,
-                        help=f"number of calibration sequences, cycling through {', '.join(CATEGORIES)} (default 20)")
-    parser.add_argument("--ctx", type=positive_int, default=2048,
+                             f"(default {defaults.model})")
+    parser.add_argument("--prompts", type=positive_int, default=defaults.prompts,
+                        help=f"number of calibration sequences, cycling through {', '.join(CATEGORIES)} "
+                             f"(default {defaults.prompts})")
+    parser.add_argument("--ctx", type=positive_int, default=defaults.ctx,
                         help="tokens per calibration sequence; at least topk + 34 so the Jaccard statistic has two "
-                             f"query positions in [topk+{JACCARD_MARGIN}, ctx-1] (default 2048)")
+                             f"query positions in [topk+{JACCARD_MARGIN}, ctx-1] (default {defaults.ctx})")
     parser.add_argument("--out", default=None, help="output directory (default runs/geometry/<model>)")
-    parser.add_argument("--tau", type=float, default=0.3,
+    parser.add_argument("--tau", type=float, default=defaults.tau,
                         help="sink threshold: a head is a sink in a sequence when its mean attention to position 0 "
-                             "over queries t>=1 exceeds tau; must be in (0, 1) (default 0.3)")
-    parser.add_argument("--topk", type=positive_int, default=256, help="k of the top-k attention Jaccard (default 256)")
-    parser.add_argument("--queries", type=int, default=128,
-                        help="query positions sampled for the Jaccard statistic, >= 2 (default 128)")
-    parser.add_argument("--key-space", choices=KEY_SPACES, default="post_rope",
+                             f"over queries t>=1 exceeds tau; must be in (0, 1) (default {defaults.tau})")
+    parser.add_argument("--topk", type=positive_int, default=defaults.topk,
+                        help=f"k of the top-k attention Jaccard (default {defaults.topk})")
+    parser.add_argument("--queries", type=int, default=defaults.queries,
+                        help=f"query positions sampled for the Jaccard statistic, >= 2 (default {defaults.queries})")
+    parser.add_argument("--key-space", choices=KEY_SPACES, default=defaults.key_space,
                         help="keys used for sigma_K, BOS cosine and sigma_1(K): post_rope = what the KV cache stores "
                              "(default), pre_rope = the k projection before rotary embedding")
-    parser.add_argument("--chunk", type=positive_int, default=256,
-                        help="query rows per attention block; peak memory ~ q_heads x chunk x ctx floats (default 256)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32",
-                        help="model dtype: float32, bfloat16 or float16 (default float32)")
+    parser.add_argument("--chunk", type=positive_int, default=defaults.chunk,
+                        help="query rows per attention block; peak memory ~ q_heads x chunk x ctx floats "
+                             f"(default {defaults.chunk})")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with "
                              "other jobs, where extra threads mostly wait on each other")
+    add_device_arguments(parser, dtype_default=defaults.dtype)
     return parser
-
-
-def _validate(args: argparse.Namespace) -> None:
-    if not 0 < args.tau < 1:
-        raise UsageError(f"--tau must be in (0, 1), got {args.tau}")
-    if args.queries < 2:
-        raise UsageError(f"--queries must be at least 2, got {args.queries}")
-    minimum = args.topk + JACCARD_MARGIN + 2
-    if args.ctx < minimum:
-        raise UsageError(
-            f"--ctx {args.ctx} is too small for --topk {args.topk}: the Jaccard statistic samples queries in "
-            f"[topk+{JACCARD_MARGIN}, ctx-1] and needs two of them, so --ctx must be at least {minimum}"
-        )
 
 
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _validate(args)
-    out = Path(args.out) if args.out else Path("runs") / "geometry" / Path(args.model).name.replace(".gguf", "")
-    # Settings known before loading are checked first, so a refused resume does not wait for the model.
-    _check_resumable(out / "config.json", {"model": args.model, **{k: getattr(args, k) for k in RUN_KEYS}})
+    config = SurveyConfig(**{f.name: getattr(args, f.name) for f in fields(SurveyConfig)})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    limit = getattr(lm.config, "max_position_embeddings", None)
-    if limit is not None and args.ctx > limit:
-        raise UsageError(f"--ctx {args.ctx} exceeds the model's max_position_embeddings {limit}")
-    prompts = calibration_prompts(lm.tokenizer, args.prompts, args.ctx)
-    config = _resolved_config(args, lm, prompts)
-    store_path = out / "records.jsonl"
-    _check_resumable(out / "config.json", config)
-    if store_path.exists():
-        _check_records(store_path, {p.id: p.sha256 for p in prompts})
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(out, config)
-    store = JsonlStore(store_path, key=lambda record: record["prompt"])
-    settings = MeasureSettings(topk=args.topk, n_queries=args.queries, key_space=args.key_space, chunk=args.chunk)
-    todo = [p for p in prompts if p.id not in store]
-    for prompt in tqdm(todo, desc=f"geometry {lm.name}", unit="seq", file=sys.stderr):
-        input_ids = torch.tensor([prompt.input_ids], device=lm.device)
-        record = measure_sequence(lm.model, input_ids, settings)
-        store.append({"prompt": prompt.id, "category": prompt.category, "sha256": prompt.sha256,
-                      "leading_token": prompt.input_ids[0], **record})
-
-    accumulator = GeometryAccumulator(args.tau)
-    wanted = {p.id for p in prompts}
-    for record in store.records:
-        if record["prompt"] in wanted:
-            accumulator.add(record)
-    tables = build_tables(accumulator.means(), layer_specs(lm.model), weight_norms(lm.model), lm.name)
-    for name in TABLES:
-        write_table(out / name, tables[name])
-    print(format_model_rows(tables["model"]))
-    print(f"tables written to {out}/", file=sys.stderr)
+    result = run_survey(config, args.out)
+    print(format_model_rows(result.tables["model"]))
+    print(f"tables written to {result.out}/", file=sys.stderr)
     return 0
 
 
-def _resolved_config(args: argparse.Namespace, lm, prompts) -> dict[str, Any]:
+def _resolved_config(config: SurveyConfig, lm, prompts) -> dict[str, Any]:
     tokenizer = lm.tokenizer
     leading = sorted({p.input_ids[0] for p in prompts})
     return {
@@ -133,13 +192,13 @@ def _resolved_config(args: argparse.Namespace, lm, prompts) -> dict[str, Any]:
         "weights": lm.info.get("gguf_sha256", lm.source),
         "dtype": str(lm.model.dtype),
         "device": str(lm.device),
-        "ctx": args.ctx,
-        "prompts": args.prompts,
-        "topk": args.topk,
-        "queries": args.queries,
-        "key_space": args.key_space,
-        "tau": args.tau,
-        "chunk": args.chunk,
+        "ctx": config.ctx,
+        "prompts": config.prompts,
+        "topk": config.topk,
+        "queries": config.queries,
+        "key_space": config.key_space,
+        "tau": config.tau,
+        "chunk": config.chunk,
         "describe": lm.describe(),
         "layer_types": [spec.kind for spec in layer_specs(lm.model)],
         "calibration_sha256": calibration_digest(prompts),
@@ -151,19 +210,6 @@ def _resolved_config(args: argparse.Namespace, lm, prompts) -> dict[str, Any]:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": transformers.__version__},
     }
-
-
-def _check_resumable(config_path: Path, config: dict[str, Any]) -> None:
-    if not config_path.exists():
-        return
-    try:
-        previous = json.loads(config_path.read_text())
-    except json.JSONDecodeError:
-        raise UsageError(f"{config_path} is not valid JSON; use another --out") from None
-    changed = [key for key in MEASUREMENT_KEYS if key in config and previous.get(key) != config[key]]
-    if changed:
-        detail = ", ".join(f"{key}: {previous.get(key)!r} -> {config[key]!r}" for key in changed)
-        raise UsageError(f"{config_path.parent} holds a survey with different settings ({detail}); use another --out")
 
 
 def _check_records(path: Path, expected: dict[str, str]) -> None:

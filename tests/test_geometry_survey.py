@@ -1,4 +1,5 @@
-"""`python -m geometry.survey`: tables, printed summary, resume, and one-line exit-2 errors that create no files."""
+"""`python -m geometry.survey`: tables, printed summary, resume, the run-directory contract (--out a file, a second
+concurrent run, other settings) and one-line exit-2 errors that create no files."""
 
 from __future__ import annotations
 
@@ -72,7 +73,36 @@ def test_rerun_resumes_reaggregates_and_refuses_changed_settings(tiny_dir, tmp_p
     capsys.readouterr()
     assert main([*args, "--topk", "5"]) == 2
     err = capsys.readouterr().err
-    assert "topk" in err and "another --out" in err and err.count("\n") == 1
+    assert "topk 4 (now 5)" in err and "another --out" in err and err.count("\n") == 1
+    assert _records(out)[:3] == first
+
+
+def test_out_that_is_a_file_or_below_one_exits_2_and_writes_nothing(tiny_dir, tmp_path, capsys):
+    file = tmp_path / "taken"
+    file.write_text("keep me\n")
+    for out, message in ((file, "is a file, not a directory"), (file / "below", "cannot create it")):
+        assert main(["--model", str(tiny_dir), *SMALL, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"] and file.read_text() == "keep me\n"
+
+
+def test_a_second_concurrent_run_on_the_same_out_exits_2_at_once(tiny_dir, tmp_path, capsys, monkeypatch):
+    import geometry.survey
+
+    argv = ["--model", str(tiny_dir), *SMALL, "--out", str(tmp_path / "survey")]
+    real_load = geometry.survey.load_model
+    second = []
+
+    def load_while_a_second_run_starts(*args, **kwargs):
+        second.append(main(argv))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(geometry.survey, "load_model", load_while_a_second_run_starts)
+    assert main(argv) == 0
+    assert second == [2]
+    assert "is in use by another run (pid" in capsys.readouterr().err
+    assert len(_records(tmp_path / "survey")) == 3
 
 
 @pytest.mark.parametrize(
@@ -85,6 +115,8 @@ def test_rerun_resumes_reaggregates_and_refuses_changed_settings(tiny_dir, tmp_p
         (["--tau", "1.5"], "--tau must be in (0, 1)"),
         (["--queries", "1"], "--queries must be at least 2"),
         (["--key-space", "both"], "invalid choice: 'both'"),
+        (["--device", "bogus"], "'bogus' is not a device"),
+        (["--dtype", "float8"], "invalid choice: 'float8'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_files(argv, message, tmp_path, capsys):
