@@ -98,7 +98,7 @@ def unit_interval(text: str) -> float:
 
 
 def device(text: str) -> str:
-    """argparse type for ``--device``: a torch device this machine has (cpu, cuda, cuda:N, mps)."""
+    """argparse type for ``--device``: a torch device that exists where the command runs (cpu, cuda, cuda:N, mps)."""
     import torch
 
     try:
@@ -110,7 +110,7 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; valid choices: "
                                              f"{', '.join(available_devices())}")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) exist here")
     elif parsed.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; valid choices: "
                                          f"{', '.join(available_devices())}")

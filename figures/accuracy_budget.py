@@ -1,6 +1,9 @@
 """Figure 6: accuracy vs KV cache budget per eviction policy, dense as a horizontal line (EpiKV Fig. 3).
 
-    python -m figures.accuracy_budget --input accuracy.csv --out figs [--dense full]
+    python -m figures.accuracy_budget --input runs/sweep/summary.csv --out figs [--dense full]
+
+The input is a table of `core.schemas.Cell` rows: the ``summary.csv`` of an `evictor.run` sweep draws as is, and so
+does the ``accuracy.csv`` of `validation.compare` (one run's cells).
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ import argparse
 import numpy as np
 import pandas as pd
 
+from core.errors import UsageError
 from figures.budgets import DENSE_POLICY, budget_axis, dense_line, dodged, split_dense
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, new_figure, series_style
 from figures.tables import checked, in_order, require_ci, require_range, require_unique
-from core.errors import UsageError
 
 FIGURE = "accuracy_budget"
-COLUMNS = ("policy", "budget", "accuracy", "ci_low", "ci_high")
+COLUMNS = ("policy", "budget", "accuracy", "ci_lo", "ci_hi")
 
 
 def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float = 0.95,
@@ -28,14 +31,14 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
         policy   str    policy name; rows named `dense` (default "full") are the no-eviction baseline
         budget   int    cache budget in tokens (ignored for the dense rows)
         accuracy float  fraction correct, in [0, 1] (drawn in percent)
-        ci_low, ci_high  float  the `ci_level` interval of the accuracy, fractions (NaN: no error bar)
+        ci_lo, ci_hi  float  the `ci_level` interval of the accuracy, fractions (NaN: no error bar)
     The dense baseline is a dashed horizontal line with its interval as a grey band; if it appears at several
     budgets (copied across budgets) every copy must have the same accuracy. Returns a Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=COLUMNS, numeric=("accuracy", "ci_low", "ci_high"), finite=("accuracy",))
-    for column in ("accuracy", "ci_low", "ci_high"):
+    df = checked(data, FIGURE, required=COLUMNS, numeric=("accuracy", "ci_lo", "ci_hi"), finite=("accuracy",))
+    for column in ("accuracy", "ci_lo", "ci_hi"):
         require_range(df, column, 0.0, 1.0, FIGURE)
-    require_ci(df, "accuracy", FIGURE)
+    require_ci(df, "accuracy", FIGURE, low="ci_lo", high="ci_hi")
     rows, dense_rows = split_dense(df, dense, FIGURE)
     require_unique(rows, ("policy", "budget"), FIGURE)
     if dense_rows["accuracy"].nunique() > 1:
@@ -47,12 +50,12 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
         fig, ax = new_figure()
         if not dense_rows.empty:
             first = dense_rows.iloc[0]
-            dense_line(ax, 100 * first["accuracy"], 100 * first["ci_low"], 100 * first["ci_high"],
+            dense_line(ax, 100 * first["accuracy"], 100 * first["ci_lo"], 100 * first["ci_hi"],
                        label=f"{dense} (no eviction)")
         for i, policy in enumerate(policies):
             style = series_style(i)
             part = rows[rows["policy"] == policy].sort_values("budget")
-            error = 100 * np.vstack([part["accuracy"] - part["ci_low"], part["ci_high"] - part["accuracy"]])
+            error = 100 * np.vstack([part["accuracy"] - part["ci_lo"], part["ci_hi"] - part["accuracy"]])
             ax.errorbar(dodged(part["budget"], i, len(policies)), 100 * part["accuracy"].to_numpy(float),
                         yerr=np.where(np.isfinite(error), error, 0.0), label=policy, **style)
         budget_axis(ax, rows["budget"])
@@ -71,7 +74,7 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Accuracy against the KV cache budget per eviction policy, with interval error "
                            "bars and the dense baseline as a horizontal line.", FIGURE,
-                           "policy, budget, accuracy, ci_low, ci_high (accuracy and bounds as fractions)")
+                           "policy, budget, accuracy, ci_lo, ci_hi (fractions; an evictor.run summary.csv draws as is)")
     parser.add_argument("--dense", default=DENSE_POLICY,
                         help=f"policy name of the no-eviction baseline (default {DENSE_POLICY!r})")
     return parser

@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from figures.style import DENSE_COLOUR
 from core.errors import UsageError
+from figures.style import DENSE_COLOUR
 
 DENSE_POLICY = "full"
 DODGE_OCTAVES = 0.06  # horizontal offset between policies on the log2 budget axis, so error bars do not overlap
@@ -28,7 +28,7 @@ def split_dense(df: pd.DataFrame, dense: str, figure: str) -> tuple[pd.DataFrame
     bad = rows[~np.isfinite(budget) | (budget <= 0)]
     if not bad.empty:
         raise UsageError(f"{figure}: policy {bad.iloc[0]['policy']!r} has budget {bad.iloc[0]['budget']!r}; "
-                         "budgets must be positive numbers of tokens")
+                         "budgets must be positive numbers (tokens, or fractions of the reference length)")
     return rows.assign(budget=budget.astype(float)), dense_rows
 
 
@@ -39,13 +39,15 @@ def dodged(budgets: pd.Series, index: int, count: int) -> np.ndarray:
 
 
 def budget_axis(ax, budgets) -> None:
-    """Log2 budget axis with a tick at each budget, labelled in plain tokens."""
+    """Log2 budget axis with a tick at each budget, labelled in plain tokens (or fractions, see below)."""
     ticks = sorted(set(float(b) for b in budgets))
+    # evictor.protocol reads a budget in (0, 1) as a fraction of each problem's reference length, not a token count.
+    unit = "fraction of the reference length" if ticks[-1] < 1 else "tokens"
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticklabels([f"{t:g}" for t in ticks])
-    ax.set_xlabel("KV cache budget (tokens)")
+    ax.set_xlabel(f"KV cache budget ({unit})")
     ax.grid(axis="x", visible=False)
 
 

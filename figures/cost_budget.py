@@ -1,6 +1,9 @@
 """Figure 7: time and peak memory vs KV cache budget per eviction policy, two panels (EpiKV Fig. 4, Tables 5–7).
 
-    python -m figures.cost_budget --input runs.csv --out figs [--time wall_s|tokens_per_s] [--dense full]
+    python -m figures.cost_budget --input cost.csv --out figs [--time wall_s|tokens_per_s] [--dense full]
+
+The input has one row per trace: `evictor.run`'s `core.schemas.Trace` records give ``timings.wall_s``,
+``timings.tokens_per_s`` and ``eviction.peak_cache_bytes`` (the notebook ``speed_memory`` builds the table from them).
 """
 
 from __future__ import annotations
@@ -10,11 +13,11 @@ import argparse
 import numpy as np
 import pandas as pd
 
+from core.errors import UsageError, unknown_choice
 from figures.budgets import DENSE_POLICY, budget_axis, dense_line, dodged, split_dense
 from figures.cli import figure_main, figure_parser
 from figures.style import figure_style, memory_scale, new_figure, series_style
 from figures.tables import as_frame, checked, in_order
-from core.errors import UsageError, unknown_choice
 
 FIGURE = "cost_budget"
 TIME_COLUMNS = {"wall_s": "Wall-clock time per run (s)", "tokens_per_s": "Decode throughput (tokens/s)"}

@@ -1,6 +1,8 @@
 """Figure 5: per-layer sigma_K, sigma_V and sink rate, full-attention layers marked (ValueDiff Figs. 4–5).
 
-    python -m figures.layer_geometry --input layers.csv --out figs
+    python -m figures.layer_geometry --input runs/geometry/smollm2-135m/layers.csv --out figs
+
+The input is `geometry.survey`'s ``layers.csv`` (one row per layer) or any table with the same column names.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from core.errors import UsageError
 from figures.cli import figure_main, figure_parser
 from figures.style import OKABE_ITO, figure_style, new_figure
 from figures.tables import checked, require_range, require_unique
-from core.errors import UsageError
 
 FIGURE = "layer_geometry"
 COLUMNS = ("layer", "sigma_k", "sigma_v", "sink_rate")
@@ -30,7 +32,7 @@ def plot_layer_geometry(data, *, title: str | None = None):
         layer       int    layer index
         sigma_k, sigma_v  float  std over tokens of the L2 distance of keys / values from their mean (mean over heads)
         sink_rate   float  fraction of this layer's heads whose leading-token weight exceeds the threshold, in [0, 1]
-        layer_kind  str    optional: "sliding" / "full" (or transformers' "sliding_attention" / "full_attention");
+        layer_type  str    optional: "sliding" / "full" (or transformers' "sliding_attention" / "full_attention");
                            when both kinds occur, full-attention layers are shaded grey in both panels and drawn
                            with filled markers, sliding-window layers with hollow ones
     Returns a Figure with two Axes sharing the layer axis.
@@ -41,11 +43,11 @@ def plot_layer_geometry(data, *, title: str | None = None):
     df["layer"] = df["layer"].astype(int)
     require_unique(df, ("layer",), FIGURE)
     require_range(df, "sink_rate", 0.0, 1.0, FIGURE)
-    if "layer_kind" in df.columns:
-        unknown = sorted({str(k) for k in df["layer_kind"] if str(k) not in LAYER_KINDS})
+    if "layer_type" in df.columns:
+        unknown = sorted({str(k) for k in df["layer_type"] if str(k) not in LAYER_KINDS})
         if unknown:
-            raise UsageError(f"{FIGURE}: unknown layer_kind {unknown[0]!r}; valid: {', '.join(LAYER_KINDS)}")
-        df["kind"] = df["layer_kind"].astype(str).map(LAYER_KINDS)
+            raise UsageError(f"{FIGURE}: unknown layer_type {unknown[0]!r}; valid: {', '.join(LAYER_KINDS)}")
+        df["kind"] = df["layer_type"].astype(str).map(LAYER_KINDS)
     else:
         df["kind"] = "full"
     df = df.sort_values("layer")
@@ -88,7 +90,8 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
 
 def build_parser() -> argparse.ArgumentParser:
     return figure_parser(FIGURE, "Per-layer key/value spread (sigma_K, sigma_V) and sink rate, full-attention "
-                         "layers marked.", FIGURE, "layer, sigma_k, sigma_v, sink_rate[, layer_kind]")
+                         "layers marked.", FIGURE,
+                         "layer, sigma_k, sigma_v, sink_rate[, layer_type] (a geometry.survey layers.csv)")
 
 
 main = figure_main(build_parser(), _draw)

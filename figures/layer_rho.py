@@ -1,10 +1,10 @@
 """Figure 1: per-layer Spearman rho with 95% intervals, bands whose interval excludes zero shaded (EpiKV §3.2, App. 6).
 
-    python -m figures.layer_rho --input layers.csv --out figs [--band-signal hidden_diff.roll64] [--stat within]
+    python -m figures.layer_rho --input layers.csv --out figs [--band-signal hidden_diff.mean64] [--stat within]
 
 The input is either the plain table documented in `plot_layer_rho`, or the `layers.csv` written by
-`validation.layers` (columns `{stat}_rho`, `{stat}_lo`, `{stat}_hi`, `{stat}_p_adj`), which `from_validation_table`
-converts.
+`validation.layers` (one row per signal ``{family}.l{layer}.{transform}``, with columns `family`, `layer`,
+`transform`, `{stat}_rho`, `{stat}_lo`, `{stat}_hi`, `{stat}_p_adj`), which `from_validation_table` converts.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from core.errors import UsageError, unknown_choice
 from figures.cli import figure_main, figure_parser
 from figures.style import NEGATIVE_SHADE, POSITIVE_SHADE, figure_style, new_figure, series_style
 from figures.tables import as_frame, checked, in_order, require_ci, require_unique
-from core.errors import UsageError, unknown_choice
 
 FIGURE = "layer_rho"
-COLUMNS = ("layer", "signal", "rho", "ci_low", "ci_high")
+COLUMNS = ("layer", "signal", "rho", "rho_lo", "rho_hi")
 VALIDATION_STATS = ("within", "pooled")
 
 
 def from_validation_table(data, stat: str = "within") -> pd.DataFrame:
     """Convert `validation.layers`' layers.csv rows into this figure's columns.
 
-    One series per (family, transform) ("hidden_diff.roll64"); `rho`, `ci_low`, `ci_high`, `p_adj` come from the
+    One series per (family, transform) ("hidden_diff.mean64"); `rho`, `rho_lo`, `rho_hi`, `p_adj` come from the
     `{stat}_*` columns (`within`: mean within-trace rho with Fisher-z interval on n_eff traces; `pooled`: all tokens).
     Layerless signals (no layer index) are dropped.
     """
@@ -45,22 +45,22 @@ def from_validation_table(data, stat: str = "within") -> pd.DataFrame:
         "layer": df["layer"].astype(int),
         "signal": df["family"].astype(str) + "." + df["transform"].astype(str),
         "rho": df[f"{stat}_rho"],
-        "ci_low": df[f"{stat}_lo"],
-        "ci_high": df[f"{stat}_hi"],
+        "rho_lo": df[f"{stat}_lo"],
+        "rho_hi": df[f"{stat}_hi"],
     })
     if f"{stat}_p_adj" in df.columns:
         out["p_adj"] = df[f"{stat}_p_adj"]
     return out.reset_index(drop=True)
 
 
-def significant_runs(layers, ci_low, ci_high) -> list[tuple[int, int, int]]:
+def significant_runs(layers, rho_lo, rho_hi) -> list[tuple[int, int, int]]:
     """Maximal runs of adjacent layers whose interval excludes zero on the same side: (sign, first, last).
 
     Layers are adjacent when their indices differ by one; a NaN bound never counts as excluding zero.
     """
     order = np.argsort(np.asarray(layers))
     layers = np.asarray(layers)[order]
-    low, high = np.asarray(ci_low, dtype=float)[order], np.asarray(ci_high, dtype=float)[order]
+    low, high = np.asarray(rho_lo, dtype=float)[order], np.asarray(rho_hi, dtype=float)[order]
     signs = np.where(low > 0, 1, np.where(high < 0, -1, 0))
     runs: list[tuple[int, int, int]] = []
     for layer, sign in zip(layers.tolist(), signs.tolist()):
@@ -84,15 +84,15 @@ def plot_layer_rho(
 
     Input columns (one row per signal and layer):
         layer    int    layer index
-        signal   str    series name (e.g. "hidden_diff.roll64")
+        signal   str    series name (e.g. "hidden_diff.mean64")
         rho      float  Spearman rho; rows with NaN rho are not drawn
-        ci_low, ci_high  float  the `ci_level` interval of rho (NaN allowed: no ribbon there)
+        rho_lo, rho_hi  float  the `ci_level` interval of rho (NaN allowed: no ribbon there)
         p_adj    float  optional: multiplicity-corrected p; filled marker where p_adj < `alpha`, hollow otherwise
     Bands: maximal runs of adjacent layers of `band_signal` (default: the first signal) whose interval lies wholly
     above zero (green) or below zero (vermillion).
     Returns a matplotlib Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=COLUMNS, numeric=("layer", "rho", "ci_low", "ci_high", "p_adj"),
+    df = checked(data, FIGURE, required=COLUMNS, numeric=("layer", "rho", "rho_lo", "rho_hi", "p_adj"),
                  finite=("layer", "rho"))
     if not (df["layer"] == df["layer"].round()).all():
         raise UsageError(f"{FIGURE}: column 'layer' must hold integer layer indices")
@@ -106,7 +106,7 @@ def plot_layer_rho(
         raise unknown_choice("band signal", band_signal, signals)
     has_p = "p_adj" in df.columns and df["p_adj"].notna().any()
     band = df[df["signal"] == band_signal]
-    runs = significant_runs(band["layer"], band["ci_low"], band["ci_high"])
+    runs = significant_runs(band["layer"], band["rho_lo"], band["rho_hi"])
 
     with figure_style():
         fig, ax = new_figure()
@@ -121,7 +121,7 @@ def plot_layer_rho(
         for i, signal in enumerate(signals):
             style = series_style(i)
             rows = df[df["signal"] == signal].sort_values("layer")
-            ax.fill_between(rows["layer"], rows["ci_low"], rows["ci_high"], color=style["color"], alpha=0.18,
+            ax.fill_between(rows["layer"], rows["rho_lo"], rows["rho_hi"], color=style["color"], alpha=0.18,
                             linewidth=0, zorder=2)
             ax.plot(rows["layer"], rows["rho"], color=style["color"], linestyle=style["linestyle"], zorder=3)
             significant = rows["p_adj"] < alpha if has_p else pd.Series(True, index=rows.index)
@@ -171,7 +171,7 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Per-layer Spearman rho with intervals; layers whose interval excludes zero "
                            "are shaded as bands (EpiKV two-band anatomy).", FIGURE,
-                           "layer, signal, rho, ci_low, ci_high[, p_adj] (or a validation.layers layers.csv)")
+                           "layer, signal, rho, rho_lo, rho_hi[, p_adj] (or a validation.layers layers.csv)")
     parser.add_argument("--band-signal", default=None, help="signal whose significant layers are shaded "
                         "(default: the first signal in the table)")
     parser.add_argument("--alpha", type=float, default=0.05,

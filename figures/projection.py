@@ -21,18 +21,17 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from figures.cli import figure_parser
+from core.cli import atomic_write, main_guard, positive_int
+from core.errors import UsageError
+from figures.cli import figure_parser, output_directory
 from figures.save import save_figure
 from figures.style import DENSE_COLOUR, figure_style, new_figure, plain_log_axis, series_style
 from figures.tables import checked
-from core.cli import atomic_write, main_guard, positive_int
-from core.errors import UsageError
 
 FIGURE = "projection"
 GIB = 2**30
@@ -192,10 +191,11 @@ def _main(argv: list[str] | None = None) -> int:
     note = (f"{args.gpu_mem_gb:g} GB GPU − {args.weights_gb:g} GB weights − {args.overhead_gb:g} GB reserve,\n"
             f"{per_token_kib:g} KiB of KV per token")
     fig = plot_projection(table, annotate_ctx=args.annotate_ctx, setting_note=note, title=args.title)
-    paths = save_figure(fig, args.out, args.stem)
-    csv_path = Path(args.out) / f"{args.stem}.csv"
-    with atomic_write(csv_path) as handle:
-        table.to_csv(handle, index=False, lineterminator="\n")
+    with output_directory(args.out) as out:
+        paths = save_figure(fig, out, args.stem)
+        csv_path = out / f"{args.stem}.csv"
+        with atomic_write(csv_path) as handle:
+            table.to_csv(handle, index=False, lineterminator="\n")
     for path in (*paths, csv_path):
         print(path)
     at = table[table["ctx"] == args.annotate_ctx]

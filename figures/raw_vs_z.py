@@ -1,6 +1,6 @@
 """Figure 2: raw vs causally z-scored signal, Spearman rho per layer as paired bars (EpiKV §3.2, Eq. 2).
 
-    python -m figures.raw_vs_z --input layers.csv --out figs --raw hidden_diff.raw --z hidden_diff.z64
+    python -m figures.raw_vs_z --input layers.csv --out figs --raw hidden_diff.mean64 --z hidden_diff.z64
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
+from core.errors import UsageError, unknown_choice
 from figures.cli import figure_main, figure_parser
 from figures.layer_rho import add_stat_flag, as_layer_table
 from figures.style import OKABE_ITO, figure_style, new_figure
 from figures.tables import checked, in_order, require_ci, require_unique
-from core.errors import UsageError, unknown_choice
 
 FIGURE = "raw_vs_z"
 BAR_WIDTH = 0.4
@@ -36,10 +36,10 @@ def plot_raw_vs_z(
         layer   int    layer index
         signal  str    series name; the rows whose signal is `raw` and `z` are drawn, others ignored
         rho     float  Spearman rho (NaN rows are not drawn)
-        ci_low, ci_high  float  optional interval, drawn as error bars when present
+        rho_lo, rho_hi  float  optional interval, drawn as error bars when present
     `labels` are the legend texts of the raw and z bars. Returns a Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=("layer", "signal", "rho"), numeric=("layer", "rho", "ci_low", "ci_high"),
+    df = checked(data, FIGURE, required=("layer", "signal", "rho"), numeric=("layer", "rho", "rho_lo", "rho_hi"),
                  finite=("layer", "rho"))
     df["signal"] = df["signal"].astype(str)
     available = in_order(df["signal"])
@@ -50,7 +50,7 @@ def plot_raw_vs_z(
         raise UsageError(f"{FIGURE}: the raw and z signals must differ, both are {raw!r}")
     df = df[df["signal"].isin([raw, z])]
     require_unique(df, ("signal", "layer"), FIGURE)
-    has_ci = {"ci_low", "ci_high"} <= set(df.columns)
+    has_ci = {"rho_lo", "rho_hi"} <= set(df.columns)
     if has_ci:
         require_ci(df, "rho", FIGURE)
 
@@ -63,7 +63,7 @@ def plot_raw_vs_z(
             x = rows["layer"].to_numpy() + offset * BAR_WIDTH
             err = None
             if has_ci:
-                err = np.vstack([rows["rho"] - rows["ci_low"], rows["ci_high"] - rows["rho"]])
+                err = np.vstack([rows["rho"] - rows["rho_lo"], rows["rho_hi"] - rows["rho"]])
                 err = np.where(np.isfinite(err), err, 0.0)
             ax.bar(x, rows["rho"], width=BAR_WIDTH, color=colour, edgecolor="black", linewidth=0.4,
                    label=label if name in label else f"{label} ({name})", yerr=err,
@@ -75,7 +75,8 @@ def plot_raw_vs_z(
         ax.grid(axis="x", visible=False)
         if title:
             ax.set_title(title)
-        ax.legend(loc="best", title="error bars: 95% CI" if has_ci else None)
+        # Below the panel: bars of either sign fill the axes, so no corner inside it is reliably free.
+        fig.legend(loc="outside lower center", ncols=2, title="error bars: 95% CI" if has_ci else None)
     return fig
 
 
@@ -86,9 +87,9 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Per-layer Spearman rho of the raw signal and of its causal rolling z-score, "
                            "as paired bars (EpiKV temporal-trend correction).", FIGURE,
-                           "layer, signal, rho[, ci_low, ci_high] (or a validation.layers layers.csv)")
+                           "layer, signal, rho[, rho_lo, rho_hi] (or a validation.layers layers.csv)")
     parser.add_argument("--raw", default="raw", help="signal name of the raw variant (default 'raw'; for a "
-                        "validation table e.g. 'hidden_diff.roll64')")
+                        "validation table e.g. 'hidden_diff.mean64')")
     parser.add_argument("--z", default="z", help="signal name of the z-scored variant (default 'z'; for a "
                         "validation table e.g. 'hidden_diff.z64')")
     add_stat_flag(parser)

@@ -1,9 +1,10 @@
 """Values reported in ValueDiff (Tables 4 and 5), drawn as grey reference points next to what kvscope measures.
 
-Transcribed from /work/shared/papers/valuediff.txt. Table 4: sink rate (fraction of heads whose leading-token weight
-exceeds 0.3), sigma_K and sigma_V (std of per-token L2 distance from the cache mean, averaged over layers, heads and
-20 prompts at 2048 tokens) and their ratio. Table 5: mean BOS attention weight and BOS key cosine similarity to the
-mean content key. These are the paper's numbers for its models, not measurements of ours.
+Source: Park, Choi and Lee, "ValueDiff: Value-Geometric KV Cache Eviction for Sink-Suppressed LLMs", Appendix C.
+Table 4: sink rate (fraction of heads whose leading-token weight exceeds 0.3), sigma_K and sigma_V (std of per-token
+L2 distance from the cache mean, averaged over layers, heads and 20 prompts at 2048 tokens) and their ratio. Table 5:
+mean BOS attention weight and BOS key cosine similarity to the mean content key. These are the paper's numbers for
+its models, not measurements of ours; the columns carry kvscope's names (`geometry.survey`'s ``model.csv``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pandas as pd
 VALUEDIFF_TABLE4_LABEL = "ValueDiff Table 4 (reported)"
 VALUEDIFF_TABLE5_LABEL = "ValueDiff Tables 4–5 (reported)"
 
-# model, mechanism, sink_rate, sigma_k, sigma_v, ratio, alpha_bos, bos_cos
+# model, mechanism, sink_rate, sigma_k, sigma_v, sigma_ratio, alpha_bos, bos_cos
 _ROWS = (
     ("Llama 3.1-8B", "None", 0.801, 1.783, 0.583, 0.33, 0.591, -0.604),
     ("Llama 3.2-3B", "None", 0.835, 1.478, 0.584, 0.40, 0.612, -0.586),
@@ -30,6 +31,6 @@ _ROWS = (
 
 
 def valuediff_reference() -> pd.DataFrame:
-    """ValueDiff's 11 models: model, mechanism, sink_rate, sigma_k, sigma_v, ratio, alpha_bos, bos_cos."""
-    return pd.DataFrame(_ROWS, columns=["model", "mechanism", "sink_rate", "sigma_k", "sigma_v", "ratio",
+    """ValueDiff's 11 models: model, mechanism, sink_rate, sigma_k, sigma_v, sigma_ratio, alpha_bos, bos_cos."""
+    return pd.DataFrame(_ROWS, columns=["model", "mechanism", "sink_rate", "sigma_k", "sigma_v", "sigma_ratio",
                                         "alpha_bos", "bos_cos"])

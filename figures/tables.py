@@ -105,8 +105,12 @@ def require_range(df: pd.DataFrame, column: str, low: float, high: float, figure
         raise UsageError(f"{figure}: column {column!r} must lie in [{low}, {high}], got {outside.iloc[0]!r}")
 
 
-def require_ci(df: pd.DataFrame, value: str, figure: str, low: str = "ci_low", high: str = "ci_high") -> None:
-    """Each interval must contain its estimate; NaN bounds (an undefined interval) are allowed."""
+def require_ci(df: pd.DataFrame, value: str, figure: str, low: str | None = None, high: str | None = None) -> None:
+    """Each interval must contain its estimate; NaN bounds (an undefined interval) are allowed.
+
+    The bounds are the columns `low` and `high`, by default ``<value>_lo`` and ``<value>_hi`` (`core.schemas`).
+    """
+    low, high = low or f"{value}_lo", high or f"{value}_hi"
     both = df[[value, low, high]].dropna()
     bad = both[(both[low] > both[value] + 1e-12) | (both[high] < both[value] - 1e-12)]
     if not bad.empty:

@@ -144,6 +144,6 @@ def test_cuda_without_cuda_is_a_one_line_error():
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+        pytest.skip("CUDA is available")
     with pytest.raises(argparse.ArgumentTypeError, match="CUDA is not available here; valid choices: cpu"):
         device("cuda")

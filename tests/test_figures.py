@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import subprocess
+import sys
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -14,6 +16,8 @@ import pytest
 from matplotlib.colorbar import Colorbar
 from matplotlib.text import Text
 
+from core.errors import UsageError
+from core.schemas import Cell, ProbeRow
 from figures.accuracy_budget import plot_accuracy_vs_budget
 from figures.bos_ratio import plot_bos_vs_ratio
 from figures.cost_budget import plot_cost_vs_budget
@@ -27,8 +31,6 @@ from figures.save import save_figure
 from figures.sink_ratio import plot_sink_vs_ratio
 from figures.style import SMALL_FONT_PT
 from figures.tables import read_table
-from core.errors import UsageError
-
 
 # ---------------------------------------------------------------- synthetic inputs, one per figure
 
@@ -38,7 +40,7 @@ def layer_table() -> pd.DataFrame:
     for signal, scale in (("a", 1.0), ("b", 0.5)):
         for layer in range(12):
             rho = scale * (0.3 if 3 <= layer <= 5 else -0.25 if 8 <= layer <= 9 else 0.01)
-            rows.append({"layer": layer, "signal": signal, "rho": rho, "ci_low": rho - 0.1, "ci_high": rho + 0.1,
+            rows.append({"layer": layer, "signal": signal, "rho": rho, "rho_lo": rho - 0.1, "rho_hi": rho + 0.1,
                          "p_adj": 0.001 if abs(rho) > 0.1 else 0.5})
     return pd.DataFrame(rows)
 
@@ -50,27 +52,27 @@ def raw_z_table() -> pd.DataFrame:
 
 def model_table() -> pd.DataFrame:
     return pd.DataFrame({"model": ["SmolLM2-135M", "Gemma3-270M"], "sink_rate": [0.6, 0.3], "sigma_k": [2.0, 8.0],
-                         "sigma_v": [1.0, 6.0], "ratio": [0.5, 0.75]})
+                         "sigma_v": [1.0, 6.0], "sigma_ratio": [0.5, 0.75]})
 
 
 def bos_table() -> pd.DataFrame:
-    return pd.DataFrame({"model": ["SmolLM2-135M", "Gemma3-270M"], "bos_cos": [-0.5, -0.1], "ratio": [0.5, 0.75],
+    return pd.DataFrame({"model": ["SmolLM2-135M", "Gemma3-270M"], "bos_cos": [-0.5, -0.1], "sigma_ratio": [0.5, 0.75],
                          "gap": [-2.0, 4.0]})
 
 
 def geometry_table() -> pd.DataFrame:
     kinds = ["sliding", "sliding", "full", "sliding", "sliding", "full"]
     return pd.DataFrame({"layer": range(6), "sigma_k": [3, 4, 5, 4, 3, 5], "sigma_v": [2, 2, 3, 2, 2, 4],
-                         "sink_rate": [0.1, 0.5, 0.9, 0.4, 0.2, 0.8], "layer_kind": kinds})
+                         "sink_rate": [0.1, 0.5, 0.9, 0.4, 0.2, 0.8], "layer_type": kinds})
 
 
 def accuracy_table() -> pd.DataFrame:
-    rows = [{"policy": "full", "budget": None, "accuracy": 0.75, "ci_low": 0.65, "ci_high": 0.84}]
+    rows = [{"policy": "full", "budget": None, "accuracy": 0.75, "ci_lo": 0.65, "ci_hi": 0.84}]
     for policy, shift in (("epikv", 0.0), ("h2o", -0.2)):
         for i, budget in enumerate((512, 1024, 2048)):
             acc = 0.4 + 0.1 * i + shift
-            rows.append({"policy": policy, "budget": budget, "accuracy": acc, "ci_low": acc - 0.08,
-                         "ci_high": acc + 0.08})
+            rows.append({"policy": policy, "budget": budget, "accuracy": acc, "ci_lo": acc - 0.08,
+                         "ci_hi": acc + 0.08})
     return pd.DataFrame(rows)
 
 
@@ -95,9 +97,9 @@ def prefill_table() -> pd.DataFrame:
 
 
 def head_set_table() -> pd.DataFrame:
-    return pd.DataFrame({"head_set": ["{0,1,2}", "h1", "{1,2}", "h0"], "n_heads": [3, 1, 2, 1],
-                         "retrieval": [0.9, 0.05, 0.4, 0.02], "ci_low": [0.8, 0.0, 0.3, 0.0],
-                         "ci_high": [0.97, 0.12, 0.5, 0.08], "recall_R": [0.95, 0.2, 0.6, 0.1]})
+    return pd.DataFrame({"condition": ["0,1,2", "1", "1,2", "0"], "n_heads": [3, 1, 2, 1],
+                         "retrieval": [0.9, 0.05, 0.4, 0.02], "retrieval_lo": [0.8, 0.0, 0.3, 0.0],
+                         "retrieval_hi": [0.97, 0.12, 0.5, 0.08], "R": [0.95, 0.2, 0.6, 0.1]})
 
 
 # (module name, plot function, table factory, number of axes); each table's second column is one its figure needs
@@ -191,6 +193,102 @@ def test_cli_bad_input_exits_2_without_files(name, plot, table, n_axes, tmp_path
     assert len(errors) == 3 and all("error:" in line for line in errors)
 
 
+@pytest.mark.parametrize("problem", ["out is a file", "out under a file", "unknown flag"])
+def test_cli_bad_out_and_flags_exit_2_with_one_line(problem, tmp_path, capsys):
+    from figures.layer_rho import main
+
+    source = tmp_path / "table.csv"
+    layer_table().to_csv(source, index=False)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    argv = {"out is a file": ["--out", str(blocker)],
+            "out under a file": ["--out", str(blocker / "figs")],
+            "unknown flag": ["--out", str(tmp_path / "figs"), "--colour", "red"]}[problem]
+    assert main(["--input", str(source), *argv]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and ": error: " in errors[0], errors
+    assert blocker.read_text() == "x" and not (tmp_path / "figs").exists()
+
+
+def test_figures_import_no_model_code():
+    """figures draws tables: importing every figure module loads neither torch nor any model-side package."""
+    code = ("import importlib, pkgutil, sys, figures\n"
+            "for m in pkgutil.iter_modules(figures.__path__): importlib.import_module('figures.' + m.name)\n"
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+                 .stdout.split())
+    assert not loaded & {"torch", "transformers", "models", "tasks", "probes", "geometry", "labeling", "evictor"}
+
+
+# ---------------------------------------------------------------- the tables the stages write draw as written
+
+def test_layer_rho_and_raw_vs_z_draw_the_table_validation_layers_writes(tmp_path):
+    from figures.layer_rho import main as layer_rho_main
+    from figures.raw_vs_z import main as raw_vs_z_main
+    from validation.correlation import signal_table
+    from validation.report import write_csv
+    from validation.signals import Aligned, AlignedTrace
+
+    rng = np.random.default_rng(0)
+    names = [f"g.l{layer}.{transform}" for transform in ("mean8", "z8") for layer in range(3)]
+    traces = []
+    for i in range(6):
+        labels = rng.integers(0, 2, 30).astype(float)
+        labels[:2] = [0, 1]
+        traces.append(AlignedTrace(f"t{i}", np.arange(30), labels, labels[:, None] + rng.normal(size=(30, 6))))
+    table = tmp_path / "layers.csv"
+    write_csv(table, signal_table(Aligned(names, traces), n_boot=50))
+    converted = from_validation_table(read_table(table))
+    assert sorted(set(converted["signal"])) == ["g.mean8", "g.z8"] and len(converted) == 6
+    assert layer_rho_main(["--input", str(table), "--out", str(tmp_path / "a"), "--band-signal", "g.z8"]) == 0
+    assert raw_vs_z_main(["--input", str(table), "--out", str(tmp_path / "b"), "--raw", "g.mean8", "--z", "g.z8"]) == 0
+
+
+def test_accuracy_budget_draws_evictor_cells(tmp_path):
+    from figures.accuracy_budget import main
+
+    cells = [Cell(id="full", policy="full", budget=None, problems=4, correct=3, accuracy=0.75, ci_lo=0.3, ci_hi=0.95)]
+    cells += [Cell(id=f"random-K{k}", policy="random", budget=k, problems=4, correct=c, accuracy=c / 4,
+                   ci_lo=0.0, ci_hi=0.9) for k, c in ((2, 1), (4, 2))]
+    source = tmp_path / "summary.csv"
+    pd.DataFrame([cell.to_json() for cell in cells]).to_csv(source, index=False)
+    assert main(["--input", str(source), "--out", str(tmp_path / "figs")]) == 0
+    fractions = pd.DataFrame([c.to_json() for c in cells]).assign(budget=[None, 0.25, 0.5])
+    xlabel = plot_accuracy_vs_budget(fractions).axes[0].get_xlabel()
+    assert xlabel == "KV cache budget (fraction of the reference length)"
+
+
+def test_head_sets_draw_probe_rows_and_leave_out_the_dense_run():
+    def row(condition, n_heads, retrieval):
+        return ProbeRow(id=condition, probe="planted_fact", condition=condition, n=8, retrieval=retrieval,
+                        retrieval_lo=max(0.0, retrieval - 0.2), retrieval_hi=min(1.0, retrieval + 0.2),
+                        extra={"heads": condition, "n_heads": n_heads}).to_json()
+
+    rows = [row("full", None, 1.0), row("kept", 3, 0.9), row("deleted", 0, 0.0), row("2", 1, 0.1)]
+    fig = plot_head_set_retrieval(rows)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["deleted", "2", "kept"]
+
+
+def test_sink_and_bos_figures_draw_a_survey_model_table():
+    from geometry.summary import MODEL_COLUMNS
+
+    def survey_row(model, scope, sink_rate, sigma_k, sigma_v):
+        row = dict.fromkeys(MODEL_COLUMNS, 1.0)
+        row.update(model=model, scope=scope, sink_rate=sink_rate, sigma_k=sigma_k, sigma_v=sigma_v,
+                   sigma_ratio=sigma_v / sigma_k, bos_cos=-0.3)
+        return row
+
+    table = pd.DataFrame([survey_row("smollm2-135m", "all", 0.6, 2.0, 1.0),
+                          survey_row("gemma3-270m", "all", 0.3, 8.0, 6.0),
+                          survey_row("gemma3-270m", "sliding_attention", 0.2, 8.0, 4.0),
+                          survey_row("gemma3-270m", "full_attention", 0.5, 8.0, 8.0)])
+    ours = [c.get_offsets() for c in plot_sink_vs_ratio(table, reference=False).axes[0].collections]
+    np.testing.assert_allclose(ours[0], [[0.5, 0.6], [0.75, 0.3]])
+    plot_bos_vs_ratio(table.assign(gap=[1.0, -1.0, 0.0, 0.0]))
+    with pytest.raises(UsageError, match="scope 'all'"):
+        plot_sink_vs_ratio(table[table["scope"] != "all"])
+
+
 # ---------------------------------------------------------------- figure-specific behaviour
 
 def test_significant_runs_by_hand():
@@ -220,14 +318,14 @@ def test_layer_rho_rejects_unknown_band_signal_and_duplicates():
     with pytest.raises(UsageError, match="several rows"):
         plot_layer_rho(pd.concat([layer_table(), layer_table().iloc[:1]]))
     bad = layer_table()
-    bad.loc[0, "ci_high"] = bad.loc[0, "rho"] - 0.01
+    bad.loc[0, "rho_hi"] = bad.loc[0, "rho"] - 0.01
     with pytest.raises(UsageError, match="does not contain"):
         plot_layer_rho(bad)
 
 
 def test_from_validation_table_maps_columns():
     rows = pd.DataFrame([
-        {"signal": "hidden_diff.l3.roll64", "family": "hidden_diff", "layer": 3, "transform": "roll64",
+        {"signal": "hidden_diff.l3.mean64", "family": "hidden_diff", "layer": 3, "transform": "mean64",
          "within_rho": 0.2, "within_lo": 0.1, "within_hi": 0.3, "within_p_adj": 0.01, "pooled_rho": 0.5,
          "pooled_lo": 0.4, "pooled_hi": 0.6},
         {"signal": "h2o", "family": "h2o", "layer": None, "transform": "raw", "within_rho": 0.05,
@@ -235,8 +333,8 @@ def test_from_validation_table_maps_columns():
          "pooled_hi": 0.2},
     ])
     out = from_validation_table(rows, "within")
-    assert out.to_dict("records") == [{"layer": 3, "signal": "hidden_diff.roll64", "rho": 0.2, "ci_low": 0.1,
-                                       "ci_high": 0.3, "p_adj": 0.01}]
+    assert out.to_dict("records") == [{"layer": 3, "signal": "hidden_diff.mean64", "rho": 0.2, "rho_lo": 0.1,
+                                       "rho_hi": 0.3, "p_adj": 0.01}]
     assert from_validation_table(rows, "pooled")["rho"].tolist() == [0.5]
     with pytest.raises(UsageError, match="unknown statistic"):
         from_validation_table(rows, "median")
@@ -262,7 +360,7 @@ def test_raw_vs_z_bar_heights_are_the_rhos():
 
 
 def test_sink_ratio_reference_points_and_computed_ratio():
-    df = model_table().drop(columns=["ratio"])
+    df = model_table().drop(columns=["sigma_ratio"])
     fig = plot_sink_vs_ratio(df)
     ax = fig.axes[0]
     offsets = [c.get_offsets() for c in ax.collections]
@@ -282,7 +380,7 @@ def test_sink_ratio_reference_points_and_computed_ratio():
 def test_reference_values_are_consistent():
     ref = valuediff_reference()
     assert len(ref) == 11
-    np.testing.assert_allclose(ref["sigma_v"] / ref["sigma_k"], ref["ratio"], atol=0.006)
+    np.testing.assert_allclose(ref["sigma_v"] / ref["sigma_k"], ref["sigma_ratio"], atol=0.006)
 
 
 def test_bos_ratio_colour_scale_is_centred_on_zero():
@@ -299,12 +397,12 @@ def test_bos_ratio_colour_scale_is_centred_on_zero():
 def test_layer_geometry_marks_full_layers_only_when_mixed():
     fig = plot_layer_geometry(geometry_table())
     assert [len(ax.patches) for ax in fig.axes] == [2, 2]
-    uniform = plot_layer_geometry(geometry_table().drop(columns=["layer_kind"]))
+    uniform = plot_layer_geometry(geometry_table().drop(columns=["layer_type"]))
     assert [len(ax.patches) for ax in uniform.axes] == [0, 0]
-    hf_names = geometry_table().assign(layer_kind=lambda d: d["layer_kind"] + "_attention")
+    hf_names = geometry_table().assign(layer_type=lambda d: d["layer_type"] + "_attention")
     assert [len(ax.patches) for ax in plot_layer_geometry(hf_names).axes] == [2, 2]
-    with pytest.raises(UsageError, match="unknown layer_kind 'local'"):
-        plot_layer_geometry(geometry_table().assign(layer_kind="local"))
+    with pytest.raises(UsageError, match="unknown layer_type 'local'"):
+        plot_layer_geometry(geometry_table().assign(layer_type="local"))
 
 
 def test_accuracy_dense_line_and_validation():
@@ -314,9 +412,9 @@ def test_accuracy_dense_line_and_validation():
     assert horizontal and horizontal[0].get_ydata()[0] == pytest.approx(75.0)
     df = accuracy_table()
     with pytest.raises(UsageError, match="different accuracies"):
-        plot_accuracy_vs_budget(pd.concat([df, df.iloc[:1].assign(accuracy=0.7, ci_low=0.6, ci_high=0.8)]))
+        plot_accuracy_vs_budget(pd.concat([df, df.iloc[:1].assign(accuracy=0.7, ci_lo=0.6, ci_hi=0.8)]))
     with pytest.raises(UsageError, match="must lie in"):
-        plot_accuracy_vs_budget(df.assign(accuracy=df["accuracy"] * 100, ci_low=0, ci_high=100))
+        plot_accuracy_vs_budget(df.assign(accuracy=df["accuracy"] * 100, ci_lo=0, ci_hi=100))
     with pytest.raises(UsageError, match="no eviction policy"):
         plot_accuracy_vs_budget(df.iloc[:1])
     with pytest.raises(UsageError, match="budget"):
@@ -353,7 +451,7 @@ def test_prefill_memory_marks_oom_and_reads_csv_booleans(tmp_path):
 def test_head_sets_orders_bars_by_set_size():
     fig = plot_head_set_retrieval(head_set_table())
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["h1", "h0", "{1,2}", "{0,1,2}"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "0", "1,2", "0,1,2"]
     assert [round(p.get_height(), 2) for p in ax.patches] == [0.05, 0.02, 0.4, 0.9]
     assert "graded recall R" in _legend_texts(fig)
     with pytest.raises(UsageError, match="n_heads"):
@@ -369,7 +467,7 @@ def test_plot_functions_take_dicts_and_records():
         plot_head_set_retrieval("head_sets.csv")
 
 
-# ---------------------------------------------------------------- shared helpers
+# ---------------------------------------------------------------- saving and reading
 
 def test_save_figure_is_reproducible_and_rejects_bad_stems(tmp_path):
     paths = [save_figure(plot_head_set_retrieval(head_set_table()), tmp_path / d, "f") for d in ("a", "b")]
@@ -382,12 +480,12 @@ def test_save_figure_is_reproducible_and_rejects_bad_stems(tmp_path):
 
 
 def test_read_table_formats(tmp_path):
-    df = head_set_table()
+    df = model_table()
     (tmp_path / "t.json").write_text(json.dumps(df.to_dict("records")))
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in df.to_dict("records")))
     df.to_csv(tmp_path / "t.tsv", sep="\t", index=False)
     for suffix in ("json", "jsonl", "tsv"):
-        assert read_table(tmp_path / f"t.{suffix}")["head_set"].tolist() == df["head_set"].tolist()
+        assert read_table(tmp_path / f"t.{suffix}")["model"].tolist() == df["model"].tolist()
     (tmp_path / "t.xlsx").write_text("x")
     with pytest.raises(UsageError, match="unknown type"):
         read_table(tmp_path / "t.xlsx")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from figures.projection import (
-    EPIKV_SETTING, concurrent_requests, kv_bytes_per_token, main, plot_projection, projection_table,
-)
 from core.errors import UsageError
+from figures.projection import (
+    EPIKV_SETTING,
+    concurrent_requests,
+    kv_bytes_per_token,
+    main,
+    plot_projection,
+    projection_table,
+)
 
 LLAMA_8B = {"n_layers": 32, "n_kv_heads": 8, "d_head": 128, "bytes_per_elem": 2}
 
@@ -88,3 +93,13 @@ def test_cli_bad_range_exits_2_without_files(tmp_path):
     assert main(["--out", str(out), "--ctx-min", "5000", "--ctx-max", "1000"]) == 2
     assert main(["--out", str(out), "--ctx-min", "1025", "--ctx-max", "2047"]) == 2
     assert not out.exists()
+
+
+def test_cli_out_a_file_or_under_one_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert main(["--out", str(blocker)]) == 2
+    assert main(["--out", str(blocker / "figs")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and all(": error: --out" in line for line in errors), errors
+    assert blocker.read_text() == "x"
