@@ -1,4 +1,5 @@
-"""GPU check: long-context decode with eviction on a random-init 8B-shaped Llama, vs `full`.
+"""GPU check: long-context decode with eviction on a random-init 8B-shaped Llama, vs `full`; then the prefill
+memory wall on the same model.
 
     python bench/gpu_check.py                 # CUDA: 32 layers, 32 q / 8 kv heads, d_head 128, hidden 4096, bf16
     python bench/gpu_check.py --small         # CPU: a 4-layer model, fp32, SDPA, short context
@@ -12,6 +13,11 @@ share, peak slots, peak KV-cache bytes and the peak allocator memory (CUDA) or R
 Before timing, a correctness check compares the engine's next-token logits with eviction under the chosen kernel
 against the same session run under a reference kernel (batch 2, left-padded): SDPA for FlashAttention-2, eager for
 SDPA.
+
+Last, the prefill memory of scoring a context (`bench/prefill_memory.py`: eager + output_attentions + H2O against
+SDPA + ValueDiff / EpiKV) at --prefill-ctx lengths on the full-depth model, measured directly (CUDA peak allocated;
+an out-of-memory error marks the row OOM and skips longer contexts of that setup), written to
+--prefill-out/prefill_memory.csv for `figures.prefill_memory`. --prefill-ctx none skips it.
 """
 
 from __future__ import annotations
@@ -34,21 +40,21 @@ SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "
              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 8192}
 
 
-def build(small: bool, kernel: str, device: torch.device, dtype: torch.dtype):
+def build_llama(shape: dict, kernel: str, device: torch.device, dtype: torch.dtype, name: str):
+    """A random-init Llama of `shape` (a LlamaConfig's fields) as a `LoadedModel`, seeded, in eval mode."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from models.loading import LoadedModel
     from models.tiny import tiny_tokenizer
 
-    config = LlamaConfig(**(SMALL if small else BIG), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     start = time.perf_counter()
     with torch.device(device):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
     model.eval()
     tokenizer = tiny_tokenizer()  # only its pad/eos ids are read; prompts are random ids
-    return LoadedModel(model, tokenizer, "random-llama-8b-shape" if not small else "random-llama-small",
-                       "random-init", time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, name, "random-init", time.perf_counter() - start)
 
 
 def check_against_reference(lm, kernel: str, device) -> str:
@@ -95,6 +101,11 @@ def main() -> None:
     parser.add_argument("--kernel", default=None, help="default: flash_attention_2 on CUDA when installed, else sdpa")
     parser.add_argument("--skip-check", action="store_true",
                         help="skip the correctness check against the reference kernel")
+    parser.add_argument("--prefill-ctx", nargs="+", default=None,
+                        help="context lengths of the prefill-memory measurement, or 'none' to skip it (default: "
+                        "1024 ... 65536 doubling on CUDA; small: 256 512 1024)")
+    parser.add_argument("--prefill-out", default="runs/gpu-check-prefill-memory",
+                        help="directory for the prefill-memory CSV (default: runs/gpu-check-prefill-memory)")
     args = parser.parse_args()
 
     from evictor.engine import EvictionEngine
@@ -112,7 +123,8 @@ def main() -> None:
     budget = args.budget or (128 if args.small else 2048)
     block = args.block or (128 if args.small else 1024)
 
-    lm = build(args.small, kernel, device, dtype)
+    lm = build_llama(SMALL if args.small else BIG, kernel, device, dtype,
+                     "random-llama-small" if args.small else "random-llama-8b-shape")
     cfg = lm.config
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), kernel "
           f"{kernel}, {dtype}; model {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
@@ -122,7 +134,8 @@ def main() -> None:
     if not args.skip_check:
         print(check_against_reference(lm, kernel, device), flush=True)
 
-    prompt = torch.randint(3, min(cfg.vocab_size, 30000), (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, min(cfg.vocab_size, 30000), (context,), generator=generator).tolist()
     config = EvictionConfig(budget=budget, buffer=buffer, block=block, protect=args.protect)
     rows = []
     for name in ["full"] + [p for p in args.policies.split(",") if p and p != "full"]:
@@ -147,6 +160,33 @@ def main() -> None:
     if device.type == "cpu":
         print("(CPU: peak memory is the process RSS, dominated by the weights; the KV-cache column is the tracked "
               "cache tensors)")
+    if args.prefill_ctx != ["none"]:
+        prefill_memory(lm, args, device)
+
+
+def prefill_memory(lm, args, device) -> None:
+    """The prefill-memory measurement of `bench/prefill_memory.py` on this full-depth model, written to a CSV."""
+    from prefill_memory import measure, print_table
+
+    from models.memory import write_rows
+
+    if args.prefill_ctx is None:
+        contexts = [256, 512, 1024] if args.small else [1024 * 2**i for i in range(7)]
+    else:
+        try:
+            contexts = [int(text) for text in args.prefill_ctx]
+        except ValueError:
+            raise SystemExit(f"--prefill-ctx takes token counts or 'none', got {' '.join(args.prefill_ctx)}") from None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"\nprefill memory of scoring, {lm.name} ({lm.config.num_hidden_layers} layers, {lm.model.dtype}), "
+          f"contexts {contexts}", flush=True)
+    rows = measure(lm, contexts)
+    path = write_rows(Path(args.prefill_out) / "prefill_memory.csv", rows)
+    print_table(rows)
+    capacity = f" --capacity-gb {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f}" \
+        if device.type == "cuda" else ""
+    print(f"written to {path}; draw it with python -m figures.prefill_memory --input {path} --out figs{capacity}")
 
 
 if __name__ == "__main__":

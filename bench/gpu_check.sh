@@ -3,6 +3,9 @@
 #   bash bench/gpu_check.sh                 # 8B-shaped random Llama, bf16, FlashAttention-2 if flash-attn is installed
 #   bash bench/gpu_check.sh --context 32768 # longer context
 #   bash bench/gpu_check.sh --small         # CPU mode: small model, SDPA (works anywhere, e.g. to smoke-test)
+# After the decode check it measures the prefill memory of scoring (bench/prefill_memory.py: eager + output_attentions
+# + H2O against SDPA + ValueDiff / EpiKV) on the same full-depth model from 1k to 64k tokens, into
+# runs/gpu-check-prefill-memory/prefill_memory.csv (--prefill-ctx none skips it; --prefill-out moves it).
 # Uses $PYTHON, else the repository's .venv, else python3; the interpreter needs torch (CUDA build for GPU runs) and
 # transformers 5.x. Nothing is downloaded: the model is random-init.
 set -euo pipefail

@@ -11,6 +11,10 @@ would dominate the memory of a small model and measure nothing about attention).
 - `eager+attentions`: eager with `output_attentions=True`, which keeps every layer's [batch, heads, n, n] map alive
   until the forward returns; what an attention-score eviction policy needs at prefill.
 
+A caller measures other configurations with a `PrefillSetup`: a kernel plus a `run` that wraps the forward, e.g. to
+score the context for eviction from what the forward left behind (`bench/prefill_memory.py` does this for H2O,
+ValueDiff and EpiKV); everything `run` allocates counts in the same peak.
+
 What the numbers are:
 
 - CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`: the peak bytes held in live tensors
@@ -22,7 +26,12 @@ What the numbers are:
   (no sampling), but blind to memory allocated outside PyTorch's allocator (oneDNN / BLAS scratch buffers, the
   Python heap) and to allocator fragmentation, so it is a lower bound on the growth of the process's RSS. On CPU
   a configuration whose attention maps alone would not fit in the memory available now is not run (Linux would
-  rather kill the process than raise) and is marked `oom` with `measured` false.
+  rather kill the process than raise) and is marked `oom` with `measured` false. "Would not fit" is decided on a
+  lower bound: the maps an eager forward must hold at its last layer (those kept, that layer's logits, and its
+  softmax, which transformers computes in fp32), against the memory available or a given `memory_limit`.
+
+`layer_bytes` is what one more decoder layer adds to the peak (its weights, KV cache and any kept map), for
+extrapolating a measurement on a shallow copy of a model to its full depth.
 
 Once a kernel runs out of memory at some length, longer lengths for that kernel are marked `oom` without running.
 """
@@ -36,24 +45,44 @@ import gc
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 from transformers import PreTrainedModel
 
-from core.cli import atomic_write, main_guard, positive_int, save_config
+from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int
 from core.errors import UsageError, unknown_choice
+from core.rundir import RunDir
+from models.hooks import decoder_layers
 from models.loading import LoadedModel, attention_kernel, load_model
 
 MB = 2**20
-# kernel name -> (attn_implementation, output_attentions)
+
+
+@dataclass(frozen=True)
+class PrefillSetup:
+    """One measured configuration: its row name, the attention implementation, whether the forward returns every
+    layer's attention maps, and optionally `run(model, forward)`, which calls ``forward()`` (the plain prefill)
+    inside whatever it needs (hooks) and works on the result (scoring); it returns the forward's output."""
+
+    name: str
+    implementation: str
+    output_attentions: bool = False
+    run: Callable[[PreTrainedModel, Callable[[], Any]], Any] | None = None
+
+
 KERNEL_SETUPS = {
-    "sdpa": ("sdpa", False),
-    "flash_attention_2": ("flash_attention_2", False),
-    "eager": ("eager", False),
-    "eager+attentions": ("eager", True),
+    setup.name: setup
+    for setup in (
+        PrefillSetup("sdpa", "sdpa"),
+        PrefillSetup("flash_attention_2", "flash_attention_2"),
+        PrefillSetup("eager", "eager"),
+        PrefillSetup("eager+attentions", "eager", output_attentions=True),
+    )
 }
 DEFAULT_KERNELS = ("sdpa", "eager+attentions")
 ROW_FIELDS = ("model", "device", "dtype", "kernel", "ctx", "batch", "peak_mem_mb", "forward_mem_mb", "oom",
@@ -63,32 +92,31 @@ ROW_FIELDS = ("model", "device", "dtype", "kernel", "ctx", "batch", "peak_mem_mb
 def prefill_peak_memory(
     lm_or_model: LoadedModel | PreTrainedModel,
     ctx_lengths: Iterable[int],
-    kernels: Sequence[str] = DEFAULT_KERNELS,
+    kernels: Sequence[str | PrefillSetup] = DEFAULT_KERNELS,
     batch: int = 1,
     *,
     seed: int = 0,
+    memory_limit: int | None = None,
 ) -> list[dict]:
-    """One row per (kernel, context length): peak memory of a prefill forward, or `oom`.
+    """One row per (kernel or setup, context length): peak memory of a prefill forward, or `oom`.
 
-    Row fields: model, device, dtype, kernel, ctx, batch, peak_mem_mb (weights included; None when oom),
-    forward_mem_mb (the forward's own peak above what was allocated before it), oom (bool), measured (False when
-    the row was inferred from a shorter length's OOM or skipped as certain not to fit), method (how it was
-    measured). The model's attention kernel is restored afterwards. See the module docstring for what the
-    numbers include.
+    Row fields: model, device, dtype, kernel (the setup's name), ctx, batch, peak_mem_mb (weights included; None
+    when oom), forward_mem_mb (the forward's own peak above what was allocated before it), oom (bool), measured
+    (False when the row was inferred from a shorter length's OOM or skipped as certain not to fit), method (how it
+    was measured). On CPU, `memory_limit` (bytes; default: what is available now) is what a configuration's lower
+    bound must fit in to be attempted. The model's attention kernel is restored afterwards. See the module
+    docstring for what the numbers include.
     """
     model = lm_or_model.model if isinstance(lm_or_model, LoadedModel) else lm_or_model
     name = lm_or_model.name if isinstance(lm_or_model, LoadedModel) else type(model).__name__
     lengths = sorted(set(_positive_ints(ctx_lengths, "context length")))
-    kernels = list(dict.fromkeys(kernels))
-    if not kernels:
+    setups = list(dict.fromkeys(_setup(kernel) for kernel in kernels))
+    if not setups:
         raise UsageError("no attention kernel to measure")
-    for kernel in kernels:
-        if kernel not in KERNEL_SETUPS:
-            raise unknown_choice("attention kernel", kernel, KERNEL_SETUPS)
     if batch < 1:
         raise UsageError(f"batch must be >= 1, got {batch}")
     device = next(model.parameters()).device
-    if "flash_attention_2" in kernels and device.type != "cuda":
+    if any(setup.implementation == "flash_attention_2" for setup in setups) and device.type != "cuda":
         raise UsageError("attention kernel 'flash_attention_2' needs a CUDA device")
     method = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
     generator = torch.Generator().manual_seed(seed)
@@ -96,16 +124,15 @@ def prefill_peak_memory(
     ids = {n: torch.randint(0, vocab, (batch, n), generator=generator) for n in lengths}
     rows = []
     with _restoring_kernel(model):
-        for kernel in kernels:
-            implementation, maps = KERNEL_SETUPS[kernel]
-            _set_kernel(model, implementation)
+        for setup in setups:
+            _set_kernel(model, setup.implementation)
             failed = False
             for n in lengths:
                 row = {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-                       "kernel": kernel, "ctx": n, "batch": batch, "peak_mem_mb": None, "forward_mem_mb": None,
+                       "kernel": setup.name, "ctx": n, "batch": batch, "peak_mem_mb": None, "forward_mem_mb": None,
                        "oom": True, "measured": False, "method": method}
-                if not failed and not _certain_not_to_fit(model, kernel, n, batch, device):
-                    result = _measure(model, ids[n].to(device), maps, device)
+                if not failed and not _certain_not_to_fit(model, setup, n, batch, device, memory_limit):
+                    result = _measure(model, ids[n].to(device), setup, device)
                     row["measured"] = True
                     if result is not None:
                         peak, extra = result
@@ -115,32 +142,64 @@ def prefill_peak_memory(
     return rows
 
 
-def attention_map_bytes(model: PreTrainedModel, kernel: str, ctx: int, batch: int) -> int:
+def _setup(kernel: str | PrefillSetup) -> PrefillSetup:
+    if isinstance(kernel, PrefillSetup):
+        return kernel
+    if kernel not in KERNEL_SETUPS:
+        raise unknown_choice("attention kernel", kernel, KERNEL_SETUPS)
+    return KERNEL_SETUPS[kernel]
+
+
+def attention_map_bytes(model: PreTrainedModel, kernel: str | PrefillSetup, ctx: int, batch: int) -> int:
     """Bytes of the attention maps a kernel holds at once: all layers' for eager+attentions, one layer's for eager.
 
     [batch, q_heads, ctx, ctx] per layer in the model's dtype; 0 for the fused kernels.
     """
-    implementation, maps = KERNEL_SETUPS[kernel]
-    if implementation != "eager":
+    setup = _setup(kernel)
+    if setup.implementation != "eager":
         return 0
+    layers = model.config.num_hidden_layers if setup.output_attentions else 1
+    return layers * _map_bytes(model, ctx, batch, model.dtype.itemsize)
+
+
+def _map_bytes(model: PreTrainedModel, ctx: int, batch: int, itemsize: int) -> int:
+    return batch * model.config.num_attention_heads * ctx * ctx * itemsize
+
+
+def layer_bytes(model: PreTrainedModel, kernel: str | PrefillSetup, ctx: int, batch: int) -> int:
+    """What one more decoder layer adds to a prefill's peak: its weights, its KV cache ``[batch, kv_heads, ctx,
+    head_dim]`` x 2 and, when the setup keeps every layer's attention map, that map. Activations are not counted:
+    only the layer being computed holds them, so they do not grow with depth."""
+    setup = _setup(kernel)
     config = model.config
-    layers = config.num_hidden_layers if maps else 1
-    return layers * batch * config.num_attention_heads * ctx * ctx * model.dtype.itemsize
+    block = decoder_layers(model)[0]
+    weights = sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = 2 * batch * config.num_key_value_heads * ctx * head_dim * model.dtype.itemsize
+    maps = _map_bytes(model, ctx, batch, model.dtype.itemsize) if setup.output_attentions else 0
+    return weights + cache + maps
 
 
-def _certain_not_to_fit(model, kernel: str, ctx: int, batch: int, device: torch.device) -> bool:
-    """On CPU, a forward whose attention maps alone exceed the memory available now is not attempted."""
-    if device.type != "cpu":
+def _certain_not_to_fit(model, setup: PrefillSetup, ctx: int, batch: int, device: torch.device,
+                        limit: int | None) -> bool:
+    """On CPU, a forward whose attention maps alone exceed `limit` (default: the memory available now) is not
+    attempted. The eager kernel's last layer holds, besides the maps kept so far, its logits and their fp32
+    softmax at once, so that softmax is added to `attention_map_bytes` (which counts the logits as a kept map)."""
+    if device.type != "cpu" or setup.implementation != "eager":
         return False
-    return attention_map_bytes(model, kernel, ctx, batch) > psutil.virtual_memory().available
+    floor = attention_map_bytes(model, setup, ctx, batch) + _map_bytes(model, ctx, batch, 4)
+    return floor > (limit if limit is not None else psutil.virtual_memory().available)
 
 
-def _measure(model, ids: torch.Tensor, output_attentions: bool, device: torch.device) -> tuple[int, int] | None:
+def _measure(model, ids: torch.Tensor, setup: PrefillSetup, device: torch.device) -> tuple[int, int] | None:
     """(peak bytes including what was allocated before, the forward's own peak bytes), or None on OOM."""
 
     def forward():
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1, output_attentions=setup.output_attentions)
+
+    def call():
         with torch.inference_mode():
-            return model(input_ids=ids, use_cache=True, logits_to_keep=1, output_attentions=output_attentions)
+            return forward() if setup.run is None else setup.run(model, forward)
 
     try:
         if device.type == "cuda":
@@ -149,16 +208,16 @@ def _measure(model, ids: torch.Tensor, output_attentions: bool, device: torch.de
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            out = forward()
+            out = call()
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
-            if output_attentions:
+            if setup.output_attentions:
                 _check_maps(out, model)
             del out
             return peak, peak - before
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = forward()
-            if output_attentions:
+            out = call()
+            if setup.output_attentions:
                 _check_maps(out, model)
             del out
         extra = _cpu_peak_bytes(prof)
@@ -229,15 +288,17 @@ def _positive_ints(values: Iterable[int], what: str) -> list[int]:
 
 
 def write_rows(path: str | os.PathLike, rows: list[dict]) -> Path:
+    """The rows as CSV: the `ROW_FIELDS` first, then any column a caller added, in order of first appearance."""
+    fields = list(dict.fromkeys([*ROW_FIELDS, *(key for row in rows for key in row)]))
     with atomic_write(path) as handle:
-        writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS, lineterminator="\n")
+        writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
     return Path(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m models.memory",
         description="Peak memory of one prefill forward per attention kernel and context length "
         "(EpiKV Fig. 1). Writes OUT/prefill_memory.csv for `python -m figures.prefill_memory`.",
@@ -249,9 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"kernels to compare, from {', '.join(KERNEL_SETUPS)} (default: "
                         f"{' '.join(DEFAULT_KERNELS)})")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (default 1)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None,
-                        help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    add_device_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("--out", required=True, help="output directory for prefill_memory.csv and config.json")
     return parser
@@ -260,13 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for kernel in args.kernels:
-        if kernel not in KERNEL_SETUPS:
-            raise unknown_choice("attention kernel", kernel, KERNEL_SETUPS)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    rows = prefill_peak_memory(lm, args.ctx, args.kernels, args.batch, seed=args.seed)
-    out = Path(args.out)
-    write_rows(out / "prefill_memory.csv", rows)
-    save_config(out, {**vars(args), "model_info": lm.describe()})
+        _setup(kernel)
+    identity = {key: value for key, value in vars(args).items() if key != "out"}
+    with RunDir(args.out, identity) as run:
+        lm = load_model(args.model, device=args.device, dtype=args.dtype)
+        rows = prefill_peak_memory(lm, args.ctx, args.kernels, args.batch, seed=args.seed)
+        write_rows(run.path / "prefill_memory.csv", rows)
+        run.save_config(model_info=lm.describe())
     for row in rows:
         value = "OOM" if row["oom"] else f"{row['peak_mem_mb']:.1f} MB (forward {row['forward_mem_mb']:.1f} MB)"
         print(f"{row['kernel']:>18}  ctx {row['ctx']:>6}  {value}")
