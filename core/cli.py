@@ -104,7 +104,8 @@ def device(text: str) -> str:
     try:
         parsed = torch.device(text)
     except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; valid choices: {', '.join(available_devices())}") from None
+        choices = ", ".join(available_devices())
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; valid choices: {choices}") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here; valid choices: "
@@ -135,7 +136,8 @@ def add_device_arguments(parser: argparse.ArgumentParser, *, dtype_default: str 
     parser.add_argument("--device", type=device, default=None,
                         help="torch device: cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     default_text = dtype_default or "bfloat16 on CUDA, float32 on CPU"
-    parser.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"weights dtype (default: {default_text})")
+    parser.add_argument("--dtype", default=dtype_default, choices=DTYPES,
+                        help=f"weights dtype (default: {default_text})")
 
 
 @contextlib.contextmanager

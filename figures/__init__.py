@@ -17,7 +17,7 @@ model.
 | layer_geometry | plot_layer_geometry | layer, sigma_k, sigma_v, sink_rate[, layer_type] | geometry.survey layers.csv |
 | accuracy_budget | plot_accuracy_vs_budget | policy, budget, accuracy, ci_lo, ci_hi | evictor.run summary.csv |
 | cost_budget | plot_cost_vs_budget | policy, budget, wall_s or tokens_per_s, peak_mem_mb | one row per trace |
-| prefill_memory | plot_prefill_memory | kernel, ctx, peak_mem_mb[, oom, layers, extrapolated] | models.memory, bench/prefill_memory.py |
+| prefill_memory | plot_prefill_memory | kernel, ctx, peak_mem_mb[, oom, layers, extrapolated] | bench/prefill_memory |
 | head_sets | plot_head_set_retrieval | condition, n_heads, retrieval, retrieval_lo, retrieval_hi[, R] | planted_fact |
 | projection | plot_projection | ctx, budget, requests | projection_table |
 

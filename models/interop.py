@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from models.hooks import BHPD, BPHD, HOOK_TABLES, _to_heads, HookPoint, parse_hook_name
+from models.hooks import BHPD, BPHD, HOOK_TABLES, HookPoint, _to_heads, parse_hook_name
 from models.loading import LoadedModel
 
 QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
@@ -118,8 +118,8 @@ def transformer_lens_bridge(lm: LoadedModel):
     The bridge reads the model's config and tokenizer by path, so both are written to a temporary directory for
     the duration of the boot; the weights are the in-memory copy.
     """
-    from transformers import AutoTokenizer
     from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoTokenizer
 
     model = copy.deepcopy(lm.model)
     model.config.architectures = [type(model).__name__]  # the bridge picks its adapter from this field
@@ -133,7 +133,8 @@ def transformer_lens_bridge(lm: LoadedModel):
 
 
 def transformer_lens_read(activations, name: str, model) -> torch.Tensor:
-    """Canonical hook `name` of `model` read from a bridge `ActivationCache` (``bridge.run_with_cache``), kvscope layout."""
+    """Canonical hook `name` of `model` read from a bridge `ActivationCache` (``bridge.run_with_cache``), in kvscope's
+    layout."""
     layer, point = parse_hook_name(model, name)
     config = model.config
     spec = tl_points(config.model_type)[point]

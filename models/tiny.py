@@ -8,10 +8,10 @@ BPE with no merges plus chat special tokens, so any text round-trips and chat te
 from __future__ import annotations
 
 import os
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from core.errors import unknown_choice
 from models.loading import LoadedModel, choose_kernel

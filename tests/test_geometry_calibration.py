@@ -7,8 +7,8 @@ import inspect
 
 import pytest
 
-from geometry.calibration import CATEGORIES, calibration_digest, calibration_prompts
 from core.errors import UsageError
+from geometry.calibration import CATEGORIES, calibration_digest, calibration_prompts
 from models.tiny import tiny_tokenizer
 
 

@@ -33,7 +33,8 @@ def test_nnsight_prefill_matches_capture(tiny):
     ids = torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(1))
     names = _names(model)
     ours = _kvscope(model, names, ids, cache=DynamicCache(config=model.config), use_cache=True)
-    theirs_all = nnsight_capture(nnsight_model(tiny), names, ids, cache=DynamicCache(config=model.config), use_cache=True)
+    theirs_all = nnsight_capture(nnsight_model(tiny), names, ids, cache=DynamicCache(config=model.config),
+                                 use_cache=True)
     for name in names:
         theirs = theirs_all[name]
         assert theirs.shape == ours[name].shape, name
@@ -50,7 +51,8 @@ def test_nnsight_decode_step_matches_capture(tiny_gemma3):
     token, position = torch.tensor([[42]]), torch.tensor([[20]])
     names = [hook_name(0, "attn.hook_cache_k"), hook_name(3, "attn.hook_cache_v"), hook_name(3, "hook_resid_post")]
     ours = _kvscope(model, names, token, cache=copy.deepcopy(cache), position_ids=position, use_cache=True)
-    theirs_all = nnsight_capture(nnsight_model(tiny_gemma3), names, token, cache=cache, position_ids=position, use_cache=True)
+    theirs_all = nnsight_capture(nnsight_model(tiny_gemma3), names, token, cache=cache, position_ids=position,
+                                 use_cache=True)
     for name in names:
         theirs = theirs_all[name]
         assert theirs.shape[-2] == 1, name  # one new position, in both [b, pos, d] and [b, head, pos, d]
@@ -71,7 +73,8 @@ def test_nnsight_on_smollm2(smollm2):
     ids = smollm2.tokenizer("The cache keeps keys and values.", return_tensors="pt").input_ids
     names = [hook_name(29, "hook_resid_post"), hook_name(7, "attn.hook_k"), hook_name(7, "attn.hook_cache_k")]
     ours = _kvscope(model, names, ids, cache=DynamicCache(config=model.config), use_cache=True)
-    theirs = nnsight_capture(nnsight_model(smollm2), names, ids, cache=DynamicCache(config=model.config), use_cache=True)
+    theirs = nnsight_capture(nnsight_model(smollm2), names, ids, cache=DynamicCache(config=model.config),
+                             use_cache=True)
     for name in names:
         torch.testing.assert_close(theirs[name], ours[name], rtol=0, atol=1e-5, msg=name)
 

@@ -1,8 +1,8 @@
 """The data-flow rule (CONTRIBUTING.md): a package imports only from packages upstream of it.
 
-core -> models -> tasks -> probes / geometry -> labeling -> validation -> evictor -> figures -> study. The planted-fact and passcode
-probes are eviction experiments and the one sanctioned exception: they drive the evictor, so they sit where the
-evictor does and may use everything upstream of it.
+core -> models -> tasks -> probes / geometry -> labeling -> validation -> evictor -> figures -> study. The planted-fact
+and passcode probes are eviction experiments and the one sanctioned exception: they drive the evictor, so they sit
+where the evictor does and may use everything upstream of it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models import loading
 from core.errors import UsageError
+from models import loading
 from models.loading import load_model
 from models.registry import REGISTRY, cache_root
 
@@ -28,7 +28,8 @@ def _greedy(model, tokenizer, new_tokens=8):
 @pytest.mark.realmodel
 def test_smollm2_describes_itself(smollm2):
     info = smollm2.describe()
-    assert (info["family"], info["layers"], info["q_heads"], info["kv_heads"], info["head_dim"]) == ("llama", 30, 9, 3, 64)
+    shape = (info["family"], info["layers"], info["q_heads"], info["kv_heads"], info["head_dim"])
+    assert shape == ("llama", 30, 9, 3, 64)
     assert info["kernel"] == "sdpa" and info["dtype"] == "torch.float32"
     assert smollm2.source.endswith(".gguf")
     assert smollm2.info["gguf_sha256"].startswith(REGISTRY["smollm2-135m"].sha256)

@@ -16,7 +16,8 @@ from tasks.grading import MathVerifier, extract_answer, extract_answer_with_rule
         ("so $x = \\boxed{\\frac{1}{2}}$.", None, "\\frac{1}{2}", "boxed"),
         ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", None, "\\left( 3, \\frac{\\pi}{2} \\right)", "boxed"),
         ("first \\boxed{1}, then corrected: \\boxed{2}", None, "2", "boxed"),
-        ("nested \\boxed{\\frac{\\sqrt{3}}{\\left(2\\right)}} end", None, "\\frac{\\sqrt{3}}{\\left(2\\right)}", "boxed"),
+        ("nested \\boxed{\\frac{\\sqrt{3}}{\\left(2\\right)}} end", None,
+         "\\frac{\\sqrt{3}}{\\left(2\\right)}", "boxed"),
         ("The answer is $\\boxed 5$.", None, "5", "boxed"),
         ("\\fbox{7}", None, "7", "boxed"),
         ("\\boxed{12} but then \\boxed{3", None, "12", "boxed"),  # a truncated box does not count
