@@ -124,7 +124,8 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Load `name`: a registry name, a local HF directory, a `.gguf` file, a hub id, or ``tiny-<family>`` (`models.tiny`)."""
+    """Load `name`: a registry name, a local HF directory, a `.gguf` file, a hub id, or ``tiny-<family>``
+    (`models.tiny`)."""
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = _resolve_dtype(dtype, device)
     kernel = choose_kernel(attn_implementation, device)
@@ -134,6 +135,7 @@ def load_model(
     if name in REGISTRY and REGISTRY[name].expands is not None:  # built on load from the entry it expands
         base = load_model(REGISTRY[name].expands, device=device, dtype=torch_dtype, attn_implementation=kernel)
         return with_expanded_kv_heads(base, name)
+    check_model_name(name)
     start = time.perf_counter()
     if name in REGISTRY:
         entry = REGISTRY[name]
@@ -143,27 +145,40 @@ def load_model(
         directory, digest = _converted_copy(gguf, expected_sha256=entry.sha256)
         source, info = str(gguf), {"gguf_sha256": digest}
     elif name.endswith(".gguf"):
-        gguf = Path(name).expanduser()
-        if not gguf.is_file():
-            raise UsageError(f"GGUF file {name!r} does not exist")
-        directory, digest = _converted_copy(gguf)
-        source, info = str(gguf), {"gguf_sha256": digest}
+        directory, digest = _converted_copy(Path(name).expanduser())
+        source, info = str(Path(name).expanduser()), {"gguf_sha256": digest}
     elif Path(name).expanduser().is_dir():
         directory, source, info = Path(name).expanduser(), str(Path(name).expanduser()), {}
-        if not (directory / "config.json").exists():
-            raise UsageError(f"directory {name!r} is not a HuggingFace model directory (no config.json)")
-    elif name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise UsageError(
-            f"model path {name!r} is not an existing HF model directory or .gguf file (hub ids look like org/name)"
-        )
-    elif "/" in name:
-        directory, source, info = name, f"hub:{name}", {}
     else:
-        choices = sorted(REGISTRY) + ["<local HF dir>", "<file.gguf>", "<hub org/name>"]
-        raise unknown_choice("model", name, choices)
+        directory, source, info = name, f"hub:{name}", {}
     model, tokenizer = _from_pretrained(directory, torch_dtype, kernel, name)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, name, source, time.perf_counter() - start, info)
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a name `load_model` could never load, without loading anything: registry names, ``tiny-<family>``, a
+    local HuggingFace directory, an existing ``.gguf`` file and hub ids (org/name, whose existence shows on load)."""
+    from models.tiny import TINY_FAMILIES  # lazy: models.tiny imports this module
+
+    path = Path(name).expanduser()
+    if name in REGISTRY or name.startswith("tiny-") and name.removeprefix("tiny-") in TINY_FAMILIES:
+        return
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UsageError(f"GGUF file {name!r} does not exist")
+        return
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"directory {name!r} is not a HuggingFace model directory (no config.json)")
+        return
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise UsageError(
+            f"model path {name!r} is not an existing HF model directory or .gguf file (hub ids look like org/name)"
+        )
+    if "/" not in name:
+        choices = sorted(REGISTRY) + [f"tiny-{family}" for family in TINY_FAMILIES]
+        raise unknown_choice("model", name, choices + ["<local HF dir>", "<file.gguf>", "<hub org/name>"])
 
 
 def _from_pretrained(directory, torch_dtype, kernel, name):
@@ -171,7 +186,8 @@ def _from_pretrained(directory, torch_dtype, kernel, name):
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, attn_implementation=kernel)
     except OSError as err:
-        if str(directory).startswith(("hub:",)) or isinstance(directory, str) and "/" in directory and not Path(directory).exists():
+        hub_id = isinstance(directory, str) and "/" in directory and not Path(directory).exists()
+        if hub_id:
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             why = "HF_HUB_OFFLINE=1 is set" if offline else "the hub could not be reached or has no such model"
             raise UsageError(f"cannot load hub model {name!r}: {why} ({str(err).splitlines()[0]})") from None
@@ -203,7 +219,8 @@ def _converted_copy(gguf: Path, expected_sha256: str | None = None) -> tuple[Pat
     digest = _cached_sha256(gguf)
     if expected_sha256 and not digest.startswith(expected_sha256):
         raise UsageError(
-            f"{gguf} has sha256 {digest[:16]}..., expected {expected_sha256[:16]}...; the file is corrupt or not this model"
+            f"{gguf} has sha256 {digest[:16]}..., expected {expected_sha256[:16]}...; "
+            "the file is corrupt or not this model"
         )
     target = cache_root() / "converted" / digest
     if (target / "kvscope-complete").exists():
@@ -213,7 +230,8 @@ def _converted_copy(gguf: Path, expected_sha256: str | None = None) -> tuple[Pat
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as err:  # the GGUF reader raises many types on a corrupt file
-        raise UsageError(f"cannot read GGUF file {gguf}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise UsageError(f"cannot read GGUF file {gguf}: {type(err).__name__}: {first_line}") from None
     # A GGUF-loaded model refuses save_pretrained while its quantizer is attached; the weights are already dense.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
