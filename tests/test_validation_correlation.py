@@ -1,4 +1,5 @@
-"""validation.correlation: pooled vs within-trace rho, n_eff = traces, positional check, per-group correction."""
+"""validation.correlation: pooled vs within-trace rho (Fisher-z mean), n_eff = traces, positional check, per-group
+correction."""
 
 from __future__ import annotations
 
@@ -31,11 +32,16 @@ def test_within_trace_mean_by_hand():
                                (labels, up)])
     result = within_trace(aligned)
     r = 2 / math.sqrt(5)
-    assert result.rho[0] == pytest.approx((4 * r - r) / 5)
+    # Averaged in z-space: (4 atanh(r) - atanh(r)) / 5, back-transformed; the plain rho mean would be 3r/5.
+    assert result.rho[0] == pytest.approx(math.tanh(3 * math.atanh(r) / 5))
+    assert result.rho[0] != pytest.approx(3 * r / 5)
     assert result.n_eff[0] == 5
     assert result.sd[0] == pytest.approx(np.std([r, r, -r, r, r], ddof=1))
-    lo, hi = fisher_z_interval(result.rho[0], 5)
-    assert (result.lo[0], result.hi[0]) == pytest.approx((float(lo), float(hi)))
+    z = 3 * math.atanh(r) / 5
+    assert result.lo[0] == pytest.approx(math.tanh(z - 1.959963984540054 / math.sqrt(2)))
+    assert result.hi[0] == pytest.approx(math.tanh(z + 1.959963984540054 / math.sqrt(2)))
+    # The bootstrap resamples the five traces: its replicates lie between all -r and all +r.
+    assert -r <= result.boot_lo[0] < result.rho[0] < result.boot_hi[0] <= r
     assert informative_traces(aligned) == 5
 
 
@@ -101,6 +107,10 @@ def test_signal_table_corrects_within_each_layer_family():
     assert by["g.l0.roll64"]["within_significant"] and not by["g.l2.roll64"]["within_significant"]
     assert by["g.l1.roll64"]["layer"] == 1 and by["h2o"]["layer"] is None
     assert all(r["n_tokens"] == 1200 and r["within_n_eff"] == 12 for r in rows)
+    for row in rows:  # both intervals of the within-trace mean surround it
+        assert row["within_lo"] < row["within_rho"] < row["within_hi"]
+        assert row["within_boot_lo"] <= row["within_rho"] <= row["within_boot_hi"]
+        assert row["position_boot_lo"] <= row["position_rho"] <= row["position_boot_hi"]
     ranked = [r["signal"] for r in rank_scorers(rows)]
     assert ranked[0] == "g.l0.roll64" and ranked[1] == "g.l0.z64"
 

@@ -9,11 +9,11 @@ from scipy import stats as sps
 from core.errors import UsageError
 from validation.paired import (
     accuracy_interval,
-    bootstrap_means,
     compare_paired,
     paired_bootstrap,
     sign_test,
 )
+from validation.stats import bootstrap_means
 
 
 def test_sign_test_hand_case():

@@ -1,4 +1,5 @@
-"""validation.stats: Spearman, Fisher-z, corrections, Wilson, streaming moments — against scipy and by hand."""
+"""validation.stats: Spearman, Fisher-z (single rho and the mean of per-trace rho), corrections, Wilson, the bootstrap
+over units — against scipy, a naive bootstrap and by hand."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from statsmodels.stats.proportion import proportion_confint
 
 from core.errors import UsageError
 from validation.stats import (
-    RunningMoments,
+    FISHER_CLIP,
     adjust_pvalues,
+    bootstrap_means,
+    fisher_mean,
     fisher_z_interval,
     fisher_z_pvalue,
+    percentile_interval,
     spearman,
     wilson_interval,
 )
@@ -115,26 +119,78 @@ def test_wilson_interval():
         assert wilson_interval(k, n) == pytest.approx(proportion_confint(k, n, method="wilson"))
 
 
-def test_running_moments_matches_numpy_skipping_nan():
-    rng = np.random.default_rng(1)
-    data = rng.normal(size=(50, 3))
-    data[rng.random(data.shape) < 0.2] = np.nan
-    moments = RunningMoments(3)
-    for row in data:
-        moments.add(row)
-    assert moments.count.tolist() == np.isfinite(data).sum(axis=0).tolist()
-    assert moments.mean == pytest.approx(np.nanmean(data, axis=0))
-    assert moments.var == pytest.approx(np.nanvar(data, axis=0, ddof=1))
-    restored = RunningMoments.from_state_dict(moments.state_dict())
-    restored.add(np.array([1.0, 2.0, 3.0]))
-    moments.add(np.array([1.0, 2.0, 3.0]))
-    assert restored.mean == pytest.approx(moments.mean) and restored.std == pytest.approx(moments.std)
+def test_fisher_mean_averages_in_z_space_by_hand():
+    assert fisher_mean([0.5, 0.5]).rho[0] == pytest.approx(0.5)
+    # atanh(0.8) = ln 3 = 2 atanh(0.5): the z-mean of 0 and 0.8 is atanh(0.5), not the rho mean 0.4.
+    mixed = fisher_mean([0.0, 0.8])
+    assert mixed.rho[0] == pytest.approx(math.tanh(math.atanh(0.8) / 2)) == pytest.approx(0.5)
+    assert mixed.rho[0] != pytest.approx(0.4)
+    assert mixed.n_eff[0] == 2 and mixed.sd[0] == pytest.approx(np.std([0.0, 0.8], ddof=1))
+    # A trace without a rho (NaN) is not a trace of n_eff.
+    assert fisher_mean([0.5, np.nan, 0.5]).n_eff[0] == 2
+    assert np.isnan(fisher_mean([np.nan, np.nan]).rho[0])
 
 
-def test_running_moments_undefined_until_enough_data():
-    moments = RunningMoments(2)
-    assert np.isnan(moments.mean).all()
-    moments.add([1.0, np.nan])
-    assert moments.mean[0] == 1.0 and np.isnan(moments.mean[1]) and np.isnan(moments.var).all()
-    with pytest.raises(ValueError):
-        moments.add([1.0, 2.0, 3.0])
+def test_fisher_mean_clips_perfect_rho_before_atanh():
+    z_clip = math.atanh(FISHER_CLIP)
+    assert fisher_mean([1.0, 0.0]).rho[0] == pytest.approx(math.tanh(z_clip / 2))
+    assert fisher_mean([1.0, -1.0]).rho[0] == pytest.approx(0.0)
+    perfect = fisher_mean([1.0] * 5)
+    assert perfect.rho[0] == pytest.approx(FISHER_CLIP)
+    lo, hi = fisher_z_interval(FISHER_CLIP, 5)
+    assert np.isfinite([perfect.lo[0], perfect.hi[0]]).all() and perfect.lo[0] == pytest.approx(float(lo))
+    assert perfect.hi[0] == pytest.approx(float(hi))
+
+
+def test_fisher_mean_paper_interval_by_hand():
+    # 28 traces: mean z = (14 atanh(0.3) + 14 atanh(0.5)) / 28, se = 1/5.
+    rho = [0.3] * 14 + [0.5] * 14
+    result = fisher_mean(rho)
+    z = (math.atanh(0.3) + math.atanh(0.5)) / 2
+    assert result.rho[0] == pytest.approx(math.tanh(z))
+    assert result.lo[0] == pytest.approx(math.tanh(z - Z975 / 5))
+    assert result.hi[0] == pytest.approx(math.tanh(z + Z975 / 5))
+    assert result.p[0] == pytest.approx(2 * sps.norm.sf(z * 5))
+    # Every trace at 0.5: the paper's interval of a single rho = 0.5 on n = 28, and a bootstrap with no spread.
+    same = fisher_mean([0.5] * 28)
+    assert (same.lo[0], same.hi[0]) == pytest.approx((0.15603, 0.73582), abs=1e-4)
+    assert (same.boot_lo[0], same.boot_hi[0]) == pytest.approx((0.5, 0.5))
+    # Three traces give no interval at all.
+    few = fisher_mean([0.1, 0.2, 0.3])
+    assert np.isnan([few.lo[0], few.hi[0], few.boot_lo[0], few.boot_hi[0], few.p[0]]).all()
+
+
+def test_fisher_mean_bootstrap_resamples_traces():
+    rng = np.random.default_rng(0)
+    rho = np.tanh(rng.normal(0.2, 0.3, size=40))
+    result = fisher_mean(rho, n_boot=4000, seed=7)
+    # A naive bootstrap: draw 40 traces with replacement, average their z, back-transform, take percentiles.
+    naive_rng = np.random.default_rng(123)
+    z = np.arctanh(rho)
+    naive = np.tanh([z[naive_rng.integers(0, 40, 40)].mean() for _ in range(4000)])
+    assert result.boot_lo[0] == pytest.approx(np.quantile(naive, 0.025), abs=0.02)
+    assert result.boot_hi[0] == pytest.approx(np.quantile(naive, 0.975), abs=0.02)
+    assert result.boot_lo[0] < result.rho[0] < result.boot_hi[0]
+    assert fisher_mean(rho, n_boot=4000, seed=7).boot_lo[0] == result.boot_lo[0]  # seeded
+    assert fisher_mean(rho, n_boot=4000, seed=8).boot_lo[0] != result.boot_lo[0]
+
+
+def test_fisher_mean_columns_keep_their_own_traces():
+    # Column 0 is defined in every trace; column 1 only in the last four (constant signal elsewhere).
+    rho = np.array([[0.5, np.nan], [0.5, np.nan], [0.0, 0.8], [0.8, 0.0], [0.0, 0.8], [0.8, 0.0]])
+    result = fisher_mean(rho)
+    assert result.n_eff.tolist() == [6, 4]
+    assert result.rho[0] == pytest.approx(0.5) and result.rho[1] == pytest.approx(0.5)
+    lo, hi = fisher_z_interval(0.5, 4)
+    assert (result.lo[1], result.hi[1]) == pytest.approx((float(lo), float(hi)))
+
+
+def test_bootstrap_means_skips_nan_per_column():
+    values = np.array([[0.0, np.nan], [1.0, 2.0]])
+    reps = bootstrap_means(values, 5000, np.random.default_rng(0))
+    assert reps.shape == (5000, 2)
+    # Column 1: a replicate that drew only the NaN unit (probability 1/4) has no mean; any other is exactly 2.
+    assert np.isnan(reps[:, 1]).mean() == pytest.approx(0.25, abs=0.03)
+    assert set(np.unique(reps[:, 1][np.isfinite(reps[:, 1])])) == {2.0}
+    lo, hi = percentile_interval(reps, 0.95)
+    assert (lo[1], hi[1]) == (2.0, 2.0) and (lo[0], hi[0]) == (0.0, 1.0)

@@ -1,10 +1,13 @@
-"""Statistics that validate eviction signals and compare policies (pure numpy/scipy; no model, evictor or figures).
+"""Statistics that validate eviction signals and compare policies (numpy/scipy; no model, evictor or figures; the
+band combination is the one `probes.signals.hidden` defines).
 
-- `validation.stats`: Spearman rho, Fisher-z intervals on n_eff traces, multiple-comparison correction, Wilson
-  intervals, streaming moments.
-- `validation.signals`: label / signal file formats, alignment by trace and position, signal-name parsing.
+- `validation.stats`: Spearman rho, the Fisher-z mean of per-trace rho with its Fisher-z and bootstrap intervals on
+  n_eff traces, multiple-comparison correction, Wilson and percentile intervals, the bootstrap over units.
+- `validation.signals`: label and signal records (`core.schemas`), alignment by id and position, signal names.
 - `validation.correlation`: pooled and within-trace rho per signal, positional confound check.
-- `validation.bands`: band selection, combined band score, policy configuration JSON.
+- `validation.bands`: band selection, combined band score, band policy configuration JSON.
 - `validation.paired`: paired problem-clustered bootstrap, exact sign test, accuracy intervals.
-- CLIs: `python -m validation.layers`, `python -m validation.compare`.
+- CLIs: `python -m validation.layers` (`validate_layers`), `python -m validation.select` (`select`: ranks any
+  scorer, a policy's replayed scores included, and writes the ``{"policy", "params"}`` configurations that deploy the
+  best), `python -m validation.compare` (`compare`, at equal peak cache).
 """

@@ -12,12 +12,13 @@ and the "band mean" variant when P, N are whole bands. The selected layers becom
 `evictor.run --policy-config FILE` runs directly::
 
     {"policy": "epikv" | "epikv_raw",
-     "params": {"positive_layers": [...], "negative_layers": [...], "window": 64},
+     "params": {"positive_layers": [...], "negative_layers": [...], "window": 64[, "hidden_hook": ...]},
      "provenance": {...}}
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,19 @@ import numpy as np
 from core.errors import UsageError, unknown_choice
 
 BAND_LAYER_MODES = ("peak", "all")
+# The per-layer signal the epikv / epikv_raw policies combine (g_l, EpiKV Eq. 1-2): bands found in any other signal
+# describe that signal, but no band policy would deploy them.
+BAND_POLICY_SIGNAL = "hidden_diff"
+# The band policies by the smoothing they score with: epikv_raw the rolling mean of g (Eq. 1), epikv its rolling
+# z-score (Eq. 2); a transform named e.g. mean64 or z64 is deployed by the policy of its smoothing.
+BAND_POLICIES = ("epikv_raw", "epikv")
+BAND_SMOOTHING = {"mean": "epikv_raw", "z": "epikv"}
+
+
+def band_policy(transform: str | None) -> str | None:
+    """The band policy that scores with a signal of this transform (``z64`` -> epikv), None when none does."""
+    match = re.fullmatch(r"([a-z]+)\d*", transform or "")
+    return BAND_SMOOTHING.get(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -119,32 +133,33 @@ def choose_layers(bands: Sequence[Band], mode: str = "peak") -> tuple[tuple[int,
 def combined_score(
     values: np.ndarray, layer_columns: dict[int, int], positive: Sequence[int], negative: Sequence[int]
 ) -> np.ndarray:
-    """s = mean of the positive layers' columns - mean of the negative layers' columns ([T] from values [T, S]).
+    """s = mean of the positive layers' columns - mean of the negative layers' columns ([T] from values [T, S]), by
+    the band combination the policies and probes.signals use (`probes.signals.hidden.band_difference`).
 
     `layer_columns` maps a layer index to its column in `values`. An empty side contributes 0.
     """
-    if not positive and not negative:
-        raise ValueError("a combined score needs at least one layer")
+    # imported here: it brings torch, which the CLIs' argument checks do not need
+    from probes.signals.hidden import band_difference
+
     missing = [l for l in (*positive, *negative) if l not in layer_columns]
     if missing:
         raise UsageError(f"combined score needs layer(s) {missing}, which the signals do not have")
-    score = np.zeros(values.shape[0])
-    if positive:
-        score += values[:, [layer_columns[l] for l in positive]].mean(axis=1)
-    if negative:
-        score -= values[:, [layer_columns[l] for l in negative]].mean(axis=1)
-    return score
+    score = band_difference([values[:, layer_columns[l]] for l in positive],
+                            [values[:, layer_columns[l]] for l in negative])
+    return np.asarray(score, dtype=float)
 
 
 def policy_config(
-    policy: str, positive: Sequence[int], negative: Sequence[int], window: int, provenance: dict
+    policy: str, positive: Sequence[int], negative: Sequence[int], window: int, provenance: dict,
+    hidden_hook: str | None = None,
 ) -> dict:
-    """The policy configuration JSON `evictor.run --policy-config` accepts (schema in the module docstring)."""
-    if policy not in ("epikv", "epikv_raw"):
-        raise unknown_choice("band policy", policy, ("epikv", "epikv_raw"))
-    return {
-        "policy": policy,
-        "params": {"positive_layers": [int(l) for l in positive], "negative_layers": [int(l) for l in negative],
-                   "window": int(window)},
-        "provenance": provenance,
-    }
+    """The policy configuration JSON `evictor.run --policy-config` accepts (schema in the module docstring); the
+    hidden-state hook the signals were read at joins the parameters when they state it (the policy's default
+    otherwise, which is the signals' default too)."""
+    if policy not in BAND_POLICIES:
+        raise unknown_choice("band policy", policy, BAND_POLICIES)
+    params = {"positive_layers": [int(l) for l in positive], "negative_layers": [int(l) for l in negative],
+              "window": int(window)}
+    if hidden_hook is not None:
+        params["hidden_hook"] = hidden_hook
+    return {"policy": policy, "params": params, "provenance": provenance}

@@ -4,11 +4,20 @@ Two aggregations of the same rho (EpiKV §3.2, §4.2, Appendix 6):
 
 - *pooled*: one rho over every (token, label) pair of every trace. EpiKV §3.2 ("temporal-trend correction") warns
   that this aggregate is driven partly by cross-problem structure and overstates within-trace ranking quality.
-- *within-trace*: one rho per trace, averaged over traces (plain mean of per-trace rho, accumulated in one streaming
-  pass with `RunningMoments`). A trace whose labels or signal are constant has no rho and is left out.
+- *within-trace*: one rho per trace, averaged in Fisher-z space (`validation.stats.fisher_mean`). A trace whose labels
+  or signal are constant has no rho and is left out, so n_eff = traces with a defined rho.
 
-Both intervals are Fisher-z intervals with n_eff = number of traces that contributed (Appendix 12), never the number
-of tokens. The positional confound check (§3.2) is the within-trace rho between a signal and absolute position.
+Intervals use n_eff = traces (Appendix 12), never tokens: the paper's Fisher-z interval for both, and for the
+within-trace mean also a percentile bootstrap over traces. The positional confound check (§3.2) is the within-trace
+rho between a signal and absolute position. Nothing here knows a signal by name: every function works on whatever
+columns the `Aligned` set holds (hidden-state layers, K/V statistics, a policy's replayed scores).
+
+Columns of `signal_table` (one row per signal; intervals are ``<name>_lo`` / ``<name>_hi``):
+``signal, family, layer, transform, n_traces, n_tokens``;
+``pooled_rho, pooled_lo, pooled_hi, pooled_p, pooled_p_adj, pooled_significant``;
+``within_rho, within_lo, within_hi, within_boot_lo, within_boot_hi, within_n_eff, within_sd, within_p,
+within_p_adj, within_significant``;
+``position_rho, position_lo, position_hi, position_boot_lo, position_boot_hi, position_n_eff``.
 """
 
 from __future__ import annotations
@@ -18,30 +27,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from validation.signals import Aligned, parse_signal_name
-from validation.stats import RunningMoments, adjust_pvalues, fisher_z_interval, fisher_z_pvalue, spearman
+from validation.stats import (
+    DEFAULT_N_BOOT,
+    MeanCorrelation,
+    adjust_pvalues,
+    fisher_mean,
+    fisher_z_interval,
+    fisher_z_pvalue,
+    spearman,
+)
 
 TARGETS = ("labels", "position")
 
 
-@dataclass
-class Correlation:
-    """One correlation per signal: rho, n_eff (traces), Fisher-z interval and p-value (NaN where n_eff <= 3)."""
+@dataclass(frozen=True)
+class Pooled:
+    """One rho per signal over all tokens, with the Fisher-z interval and p-value on n_eff = traces (NaN if <= 3)."""
 
     rho: np.ndarray  # [signals]
-    n_eff: np.ndarray  # [signals] traces contributing
+    n_eff: np.ndarray  # [signals] traces
     lo: np.ndarray
     hi: np.ndarray
     p: np.ndarray
-    sd: np.ndarray  # [signals] spread of per-trace rho (within-trace only; NaN for pooled)
-
-
-def _with_interval(rho: np.ndarray, n_eff: np.ndarray, sd: np.ndarray, level: float) -> Correlation:
-    lo, hi, p = (np.full(rho.shape, np.nan) for _ in range(3))
-    ok = (n_eff > 3) & np.isfinite(rho)
-    if ok.any():
-        lo[ok], hi[ok] = fisher_z_interval(rho[ok], n_eff[ok], level)
-        p[ok] = fisher_z_pvalue(rho[ok], n_eff[ok])
-    return Correlation(rho, n_eff, lo, hi, p, sd)
 
 
 def _target(trace, target: str) -> np.ndarray:
@@ -50,21 +57,29 @@ def _target(trace, target: str) -> np.ndarray:
     return trace.labels if target == "labels" else trace.positions.astype(float)
 
 
-def within_trace(aligned: Aligned, target: str = "labels", level: float = 0.95) -> Correlation:
-    """Mean of per-trace rho with n_eff = traces with a defined rho (EpiKV §3.2, Appendix 12)."""
-    moments = RunningMoments(len(aligned.names))
-    for trace in aligned.traces:
-        moments.add(spearman(trace.values, _target(trace, target)))
-    return _with_interval(moments.mean, moments.count, moments.std, level)
+def per_trace_rho(aligned: Aligned, target: str = "labels") -> np.ndarray:
+    """[traces, signals]: Spearman rho of each signal with the target inside each trace (NaN where undefined)."""
+    return np.array([np.atleast_1d(spearman(t.values, _target(t, target))) for t in aligned.traces])
 
 
-def pooled(aligned: Aligned, target: str = "labels", level: float = 0.95) -> Correlation:
+def within_trace(aligned: Aligned, target: str = "labels", level: float = 0.95, n_boot: int = DEFAULT_N_BOOT,
+                 seed: int = 0) -> MeanCorrelation:
+    """Fisher-z mean of per-trace rho, n_eff = traces with a defined rho, both intervals (EpiKV §3.2, App. 12)."""
+    return fisher_mean(per_trace_rho(aligned, target), level, n_boot, seed)
+
+
+def pooled(aligned: Aligned, target: str = "labels", level: float = 0.95) -> Pooled:
     """One rho over all tokens of all traces; its interval still uses n_eff = traces (Appendix 12)."""
     values = np.concatenate([t.values for t in aligned.traces])
     y = np.concatenate([_target(t, target) for t in aligned.traces])
     rho = np.atleast_1d(spearman(values, y))
     n_eff = np.full(rho.shape, len(aligned.traces))
-    return _with_interval(rho, n_eff, np.full(rho.shape, np.nan), level)
+    lo, hi, p = (np.full(rho.shape, np.nan) for _ in range(3))
+    ok = (n_eff > 3) & np.isfinite(rho)
+    if ok.any():
+        lo[ok], hi[ok] = fisher_z_interval(rho[ok], n_eff[ok], level)
+        p[ok] = fisher_z_pvalue(rho[ok], n_eff[ok])
+    return Pooled(rho, n_eff, lo, hi, p)
 
 
 def informative_traces(aligned: Aligned) -> int:
@@ -72,40 +87,37 @@ def informative_traces(aligned: Aligned) -> int:
     return sum(int(np.unique(t.labels).size > 1) for t in aligned.traces)
 
 
-def signal_table(
-    aligned: Aligned, level: float = 0.95, correction: str = "fdr_bh", alpha: float = 0.05
-) -> list[dict]:
-    """One row per signal: pooled and within-trace label rho, within-trace position rho, corrected p-values.
+def _columns(prefix: str, stat, i: int, names: tuple[str, ...]) -> dict:
+    return {f"{prefix}_{name}": float(getattr(stat, name)[i]) for name in names}
+
+
+def signal_table(aligned: Aligned, level: float = 0.95, correction: str = "fdr_bh", alpha: float = 0.05,
+                 n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> list[dict]:
+    """One row per signal (columns in the module docstring): pooled and within-trace label rho, within-trace
+    position rho, corrected p-values.
 
     The multiple-comparison correction runs across the layers of each (family, transform) group, separately for
     the pooled and the within-trace p-values; a layerless signal is a family of one. `significant_*` is
-    "corrected p < alpha"; with correction "none" and alpha = 1 - level it is exactly "interval excludes zero".
+    "corrected p < alpha"; with correction "none" and alpha = 1 - level it is exactly "the Fisher-z interval excludes
+    zero".
     """
     pool = pooled(aligned, "labels", level)
-    within = within_trace(aligned, "labels", level)
-    position = within_trace(aligned, "position", level)
+    within = within_trace(aligned, "labels", level, n_boot, seed)
+    position = within_trace(aligned, "position", level, n_boot, seed)
     parsed = [parse_signal_name(n) for n in aligned.names]
+    n_tokens = int(sum(t.labels.size for t in aligned.traces))
     rows = []
     for i, sig in enumerate(parsed):
-        rows.append(
-            {
-                "signal": sig.name,
-                "family": sig.family,
-                "layer": sig.layer,
-                "transform": sig.transform,
-                "n_traces": len(aligned.traces),
-                "n_tokens": int(sum(t.labels.size for t in aligned.traces)),
-                **{f"pooled_{k}": float(getattr(pool, k)[i]) for k in ("rho", "lo", "hi", "p")},
-                "within_rho": float(within.rho[i]),
-                "within_sd": float(within.sd[i]),
-                "within_n_eff": int(within.n_eff[i]),
-                **{f"within_{k}": float(getattr(within, k)[i]) for k in ("lo", "hi", "p")},
-                "position_rho": float(position.rho[i]),
-                "position_lo": float(position.lo[i]),
-                "position_hi": float(position.hi[i]),
-                "position_n_eff": int(position.n_eff[i]),
-            }
-        )
+        rows.append({
+            "signal": sig.name, "family": sig.family, "layer": sig.layer, "transform": sig.transform,
+            "n_traces": len(aligned.traces), "n_tokens": n_tokens,
+            **_columns("pooled", pool, i, ("rho", "lo", "hi", "p")),
+            **_columns("within", within, i, ("rho", "lo", "hi", "boot_lo", "boot_hi")),
+            "within_n_eff": int(within.n_eff[i]),
+            **_columns("within", within, i, ("sd", "p")),
+            **_columns("position", position, i, ("rho", "lo", "hi", "boot_lo", "boot_hi")),
+            "position_n_eff": int(position.n_eff[i]),
+        })
     groups: dict[tuple[str, str], list[int]] = {}
     for i, sig in enumerate(parsed):
         groups.setdefault((sig.family, sig.transform), []).append(i)

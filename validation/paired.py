@@ -16,10 +16,7 @@ import numpy as np
 from scipy import stats as sps
 
 from core.errors import UsageError
-from validation.stats import wilson_interval
-
-# Bootstrap replicates are drawn in blocks so the [block, n_problems] index matrix stays around this many entries.
-_BLOCK_ENTRIES = 4_000_000
+from validation.stats import bootstrap_means, percentile_interval, wilson_interval
 
 
 @dataclass(frozen=True)
@@ -47,28 +44,6 @@ def _as_pair(a, b) -> tuple[np.ndarray, np.ndarray]:
     if a.size == 0:
         raise UsageError("paired comparison needs at least one problem present in both runs")
     return a, b
-
-
-def bootstrap_means(values: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """`n_boot` bootstrap replicates of the mean of `values` ([n_problems]), resampling problems with replacement.
-
-    Vectorised: each block draws an index matrix [block, n_problems] and averages the gathered values.
-    """
-    values = np.asarray(values, dtype=float)
-    n = values.size
-    block = max(1, _BLOCK_ENTRIES // max(n, 1))
-    out = np.empty(n_boot)
-    for start in range(0, n_boot, block):
-        stop = min(n_boot, start + block)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        out[start:stop] = values[idx].mean(axis=1)
-    return out
-
-
-def percentile_interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
-    tail = (1.0 - level) / 2.0
-    lo, hi = np.quantile(replicates, [tail, 1.0 - tail])
-    return float(lo), float(hi)
 
 
 def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> BootstrapResult:

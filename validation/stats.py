@@ -1,13 +1,14 @@
-"""Core statistics: Spearman rho, Fisher-z intervals, multiple-comparison correction, Wilson intervals, and a
-streaming mean/variance.
+"""Core statistics: Spearman rho, the Fisher-z mean of per-trace correlations with its two intervals,
+multiple-comparison correction, Wilson and percentile intervals.
 
-Conventions follow EpiKV (epikv.txt): correlations are Spearman rho (§3.2 "two-band anatomy", Appendix 6) and their
-uncertainty is a Fisher-z interval whose effective sample size is the number of independent *traces*, not token
-pairs, because tokens within a trace are correlated (Appendix 12). Everything here is a pure array function.
+Conventions follow EpiKV: correlations are Spearman rho (§3.2 "two-band anatomy", Appendix 6) and their uncertainty
+is a Fisher-z interval whose effective sample size is the number of independent *traces*, not token pairs, because
+tokens within a trace are correlated (Appendix 12). Everything here is a pure array function.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,102 @@ def fisher_z_pvalue(rho: Any, n_eff: Any) -> np.ndarray:
     return 2.0 * sps.norm.sf(stat)
 
 
+# A per-trace rho of exactly +-1 (short traces, labels with few positives) has an infinite Fisher z and would make the
+# mean infinite. It is clipped to +-FISHER_CLIP before atanh: such a trace then counts as z = +-4.95 (rho = 0.9999).
+# No |rho| below the clip changes.
+FISHER_CLIP = 0.9999
+DEFAULT_N_BOOT = 2000
+# Bootstrap replicates are drawn in blocks so the [block, units] count matrix stays around this many entries.
+_BLOCK_ENTRIES = 4_000_000
+
+
+def fisher_z(rho: Any) -> np.ndarray:
+    """atanh(rho) after clipping rho to [-FISHER_CLIP, FISHER_CLIP]; NaN stays NaN."""
+    return np.arctanh(np.clip(np.asarray(rho, dtype=float), -FISHER_CLIP, FISHER_CLIP))
+
+
+def bootstrap_means(values: Any, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """`n_boot` bootstrap replicates of the mean of `values` ([units] or [units, columns]), resampling units.
+
+    Each replicate draws the units with replacement (multinomial counts, so a block of replicates is one matrix
+    product); NaN entries are left out of a column's mean, and a replicate that drew no finite entry of a column is
+    NaN there. Returns [n_boot] for 1-D `values`, else [n_boot, columns].
+    """
+    values = np.asarray(values, dtype=float)
+    column = values.ndim == 1
+    matrix = values[:, None] if column else values
+    n = matrix.shape[0]
+    finite = np.isfinite(matrix)
+    filled = np.where(finite, matrix, 0.0)
+    out = np.empty((n_boot, matrix.shape[1]))
+    block = max(1, _BLOCK_ENTRIES // max(n, 1))
+    for start in range(0, n_boot, block):
+        stop = min(n_boot, start + block)
+        counts = rng.multinomial(n, np.full(n, 1.0 / n), size=stop - start).astype(float)
+        used = counts @ finite
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[start:stop] = np.where(used > 0, (counts @ filled) / used, np.nan)
+    return out[:, 0] if column else out
+
+
+def percentile_interval(replicates: np.ndarray, level: float) -> tuple[Any, Any]:
+    """The percentile interval of bootstrap replicates (per column of a [n_boot, columns] array; NaN ignored)."""
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.nanquantile(replicates, [tail, 1.0 - tail], axis=0)
+    return (float(lo), float(hi)) if np.ndim(lo) == 0 else (lo, hi)
+
+
+@dataclass(frozen=True)
+class MeanCorrelation:
+    """The Fisher-z mean of per-trace correlations, one entry per column (signal); NaN where undefined.
+
+    `lo`/`hi` are the Fisher-z interval on n_eff traces (EpiKV Appendix 12) and `p` its two-sided p-value, defined
+    for n_eff > 3; `boot_lo`/`boot_hi` the percentile bootstrap over traces, on the same traces.
+    """
+
+    rho: np.ndarray  # tanh(mean_i atanh(rho_i)) over the traces with a defined rho
+    n_eff: np.ndarray  # traces with a defined rho
+    lo: np.ndarray
+    hi: np.ndarray
+    boot_lo: np.ndarray
+    boot_hi: np.ndarray
+    p: np.ndarray
+    sd: np.ndarray  # sample SD of the per-trace rho (descriptive; NaN below two traces)
+
+
+def fisher_mean(per_trace: Any, level: float = 0.95, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> MeanCorrelation:
+    """Average per-trace correlations in Fisher-z space and give both of their intervals.
+
+    `per_trace` is [traces] (one signal) or [traces, signals], NaN where a trace has no rho (a constant signal or
+    constant labels). Per column: z_i = atanh(clip(rho_i)) (`FISHER_CLIP`), rho = tanh(mean z_i), n_eff = traces with a
+    defined rho; the paper's interval is tanh(mean z -/+ z_crit / sqrt(n_eff - 3)); the bootstrap resamples traces
+    (`n_boot` replicates, generator seeded with `seed`) and takes percentiles of tanh(mean z*). Averaging z rather
+    than rho is what makes the 1/sqrt(n - 3) standard error apply: z is approximately normal, rho is not.
+    """
+    if n_boot < 1:
+        raise UsageError(f"n_boot must be >= 1, got {n_boot}")
+    rho = np.asarray(per_trace, dtype=float)
+    rho = rho[:, None] if rho.ndim == 1 else rho
+    z = fisher_z(rho)
+    defined = np.isfinite(z)
+    n_eff = defined.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_z = np.where(n_eff > 0, np.where(defined, z, 0.0).sum(axis=0) / np.maximum(n_eff, 1), np.nan)
+    estimate = np.tanh(mean_z)
+    lo, hi, boot_lo, boot_hi, p = (np.full(estimate.shape, np.nan) for _ in range(5))
+    ok = n_eff > 3
+    if ok.any():
+        lo[ok], hi[ok] = fisher_z_interval(estimate[ok], n_eff[ok], level)
+        p[ok] = fisher_z_pvalue(estimate[ok], n_eff[ok])
+        replicates = bootstrap_means(z[:, ok], n_boot, np.random.default_rng(seed))
+        boot_lo[ok], boot_hi[ok] = np.tanh(percentile_interval(replicates, level))
+    sd = np.full(estimate.shape, np.nan)
+    spread = n_eff > 1
+    if spread.any():
+        sd[spread] = np.nanstd(rho[:, spread], axis=0, ddof=1)
+    return MeanCorrelation(estimate, n_eff, lo, hi, boot_lo, boot_hi, p, sd)
+
+
 def adjust_pvalues(pvalues: Any, method: str = "fdr_bh", alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Correct a family of p-values (one per layer) with `statsmodels.stats.multitest.multipletests`.
 
@@ -140,53 +237,3 @@ def wilson_interval(successes: float, n: int, level: float = 0.95) -> tuple[floa
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     # Clamped to contain p: at p = 0 or 1 rounding can leave the bound a hair on the wrong side of the estimate.
     return float(min(p, max(0.0, center - half))), float(max(p, min(1.0, center + half)))
-
-
-class RunningMoments:
-    """Streaming elementwise mean and variance (Welford), skipping NaN entries per element.
-
-    `add(x)` takes one observation of a fixed shape (e.g. one trace's per-signal rho vector), so per-trace statistics
-    aggregate in one pass without holding every trace. `state_dict()` / `from_state_dict()` round-trip the state.
-    """
-
-    def __init__(self, shape: tuple[int, ...] | int = ()):
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        self.count = np.zeros(shape, dtype=np.int64)
-        self._mean = np.zeros(shape)
-        self._m2 = np.zeros(shape)
-
-    def add(self, x: Any) -> None:
-        x = np.asarray(x, dtype=float)
-        if x.shape != self.count.shape:
-            raise ValueError(f"expected an observation of shape {self.count.shape}, got {x.shape}")
-        seen = np.isfinite(x)
-        self.count += seen
-        delta = np.where(seen, x - self._mean, 0.0)
-        self._mean += np.where(seen, delta / np.maximum(self.count, 1), 0.0)
-        self._m2 += np.where(seen, delta * (np.where(seen, x, 0.0) - self._mean), 0.0)
-
-    @property
-    def mean(self) -> np.ndarray:
-        return np.where(self.count > 0, self._mean, np.nan)
-
-    @property
-    def var(self) -> np.ndarray:
-        """Sample variance (ddof=1); NaN with fewer than two observations."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.count > 1, self._m2 / (self.count - 1), np.nan)
-
-    @property
-    def std(self) -> np.ndarray:
-        return np.sqrt(self.var)
-
-    def state_dict(self) -> dict[str, list]:
-        return {"count": self.count.tolist(), "mean": self._mean.tolist(), "m2": self._m2.tolist()}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, list]) -> RunningMoments:
-        count = np.asarray(state["count"], dtype=np.int64)
-        moments = cls(count.shape)
-        moments.count = count
-        moments._mean = np.asarray(state["mean"], dtype=float)
-        moments._m2 = np.asarray(state["m2"], dtype=float)
-        return moments
