@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from core.errors import UsageError
+from models.attention import visible_by_position
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -157,7 +158,8 @@ class SlotLayer(CacheLayerMixin):
 class EvictingCache(Cache):
     """Per-layer `SlotLayer`s for a model config; `capacity` is the initial (and steady-state) slot capacity."""
 
-    def __init__(self, config, capacity: int, slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+    def __init__(self, config, capacity: int,
+                 slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
         n_layers = config.num_hidden_layers
         types = list(getattr(config, "layer_types", None) or [FULL] * n_layers)
         unknown = sorted({t for t in types if t not in (FULL, SLIDING)})
@@ -193,14 +195,9 @@ def position_mask(
 ) -> torch.Tensor:
     """Additive attention mask from absolute positions, ``[batch, kv_head * n_rep, queries, slots]``.
 
-    A query at position p sees a slot at position k iff the slot is valid (k >= 0), k <= p and, for a sliding-window
-    layer, p - k < window (HF's ``kv_idx > q_idx - sliding_window``, in positions instead of slot indices).
-    `key_positions` ``[b, kv, slots]``; `query_positions` ``[b, queries]``.
+    Visibility is `models.attention.visible_by_position` (causal and sliding-window, in positions instead of slot
+    indices). `key_positions` ``[b, kv, slots]``; `query_positions` ``[b, queries]``.
     """
-    keys = key_positions[:, :, None, :]
-    queries = query_positions[:, None, :, None]
-    allowed = (keys >= 0) & (keys <= queries)
-    if window is not None:
-        allowed &= (queries - keys) < window
+    allowed = visible_by_position(query_positions, key_positions, window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.repeat_interleave(n_rep, dim=1) if n_rep > 1 else mask

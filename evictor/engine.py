@@ -16,8 +16,14 @@ sliding-window layers.
 Policy plumbing: `Needs.keys/values/cache` -> views of the cache; `Needs.hidden_layers` -> a scoped
 `models.hooks.capture` of exactly those residual streams, passed to `policy.observe` after each forward, whose
 scores are stored per slot and handed back as `ScoreInputs.frozen`; `Needs.attention` -> an `evictor.attention`
-feed (eager weights or windowed recompute). Per-layer policy state lives in the session; random policies draw
-from its seeded generator.
+feed, which recomputes each new query's attention over the cache at every forward (exact under every kernel) and
+keeps it per slot (and RaaS's refresh timestamps, `Needs.refresh_threshold`). Per-layer policy state lives in the
+session; random policies draw from its seeded generator.
+
+Scoring and selection are separate: `Session.round_scores` computes every layer's scores of a round's candidates
+(the policy's output, averaged over heads for shared keep sets), which `evictor.replay` calls too; the round then
+averages them over layers for `Policy.shared_across_layers`, ranks NaN last, evicts out-of-window slots of
+sliding-window layers first, and selects.
 """
 
 from __future__ import annotations
@@ -30,15 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from evictor.attention import AttentionFeed, EagerFeed, WindowFeed
+from core.errors import UsageError
+from evictor.attention import AttentionFeed
 from evictor.cache import EvictingCache, position_mask
 from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
 from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
-from evictor.protocol import EvictionConfig, RoundPlan, plan_round, sequence_budgets
-from core.errors import UsageError
+from evictor.protocol import EvictionConfig, RoundPlan, SequenceBudgets, plan_round, sequence_budgets
 from models.hooks import capture, decoder_layers, hook_name
 from models.loading import LoadedModel, attention_kernel
-from tasks.generation import stop_token_ids
+from tasks.generation import pick_tokens, stop_token_ids
 
 FROZEN = "frozen"
 _NEVER = 1 << 62  # the budget of a policy that never evicts
@@ -61,6 +67,7 @@ class SequenceResult:
     finish_reason: str  # "eos" | "length"
     budget: int | None  # effective K of this sequence (None: the policy never evicts)
     protected: int  # positions below this were protected
+    recency: int  # the recency window of this sequence
     rounds: int  # eviction rounds that removed tokens of this sequence (prefill blocks included)
     cache_sizes: list[int]  # resident tokens attended over at each forward (prefill blocks, then decode steps)
     keep_log: dict[str, np.ndarray] | None = None
@@ -91,25 +98,17 @@ class EvictionEngine:
             raise UsageError(f"policy {policy.name!r} reads hidden layers {bad}, outside 0..{self.n_layers - 1}")
         self.protect = self.config.protect or policy.default_protection
         self.shared = bool(policy.shared_across_heads or self.config.shared)
+        self.shared_layers = bool(policy.shared_across_layers)
         self.observes = type(policy).observe is not Policy.observe
         self.kernel = attention_kernel(self.model)
         layer_types = getattr(cfg, "layer_types", None) or []
         self.has_sliding = "sliding_attention" in layer_types
         if self.kernel == "flash_attention_2" and self.has_sliding:
             raise UsageError("flash_attention_2 cannot take the per-head sliding-window masks eviction needs; use sdpa")
-        self.attention_source: str | None = None
+        # queries the policy's attention covers: 0 = every query since each slot's entry
         self.query_window: int | None = None
         if self.needs.attention:
-            source = self.config.attention_source or ("eager" if self.kernel == "eager" else "window")
-            if source == "eager" and self.kernel != "eager":
-                raise UsageError(
-                    f"policy {policy.name!r} reads attention weights from the eager kernel, but the model runs "
-                    f"{self.kernel!r}; use --kernel eager or --attention-source window"
-                )
-            window = self.config.query_window or self.needs.queries_window
-            if source == "window" and window == 0:
-                window = max(1, self.config.buffer)  # "since entry" cannot be recomputed: the last r queries
-            self.attention_source, self.query_window = source, window
+            self.query_window = self.config.query_window or self.needs.queries_window
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -117,13 +116,17 @@ class EvictionEngine:
             "protection": self.protect,
             "shared_keep_sets": self.shared,
             "kernel": self.kernel,
-            "attention_source": self.attention_source,
             "query_window": self.query_window,
             **self.config.to_dict(),
         }
 
     def session(
-        self, prompts: list[list[int]], budgets: list[int] | None = None, *, max_new_tokens: int = 0, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        budgets: list[int] | None = None,
+        *,
+        max_new_tokens: int = 0,
+        seed: int | None = None,
     ) -> Session:
         return Session(self, prompts, budgets, max_new_tokens, self.config.seed if seed is None else seed)
 
@@ -135,10 +138,12 @@ class EvictionEngine:
         *,
         budgets: list[int] | None = None,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         ignore_eos: bool = False,
         seed: int | None = None,
     ) -> BatchResult:
-        """Generate up to `max_new_tokens` per prompt (greedy at temperature 0); `budgets` overrides K per prompt."""
+        """Generate up to `max_new_tokens` per prompt (greedy at temperature 0, else nucleus sampling at `top_p`);
+        `budgets` overrides K per prompt."""
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         eos = set() if ignore_eos else _eos_ids(self.lm)
@@ -149,7 +154,7 @@ class EvictionEngine:
             finished = [False] * len(prompts)
             session.begin_decode()
             for index in range(max_new_tokens):
-                tokens = _pick(logits, temperature, sampler)
+                tokens = pick_tokens(logits, temperature, top_p, sampler)
                 for seq, token in enumerate(tokens.tolist()):
                     if not finished[seq]:
                         generated[seq].append(token)
@@ -165,13 +170,6 @@ class EvictionEngine:
 def _eos_ids(lm: LoadedModel) -> set[int]:
     """The same stop tokens as plain generation (`tasks.generation`): EOS ids and single-token chat end markers."""
     return set(stop_token_ids(lm.tokenizer, lm.model))
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 class Session:
@@ -191,15 +189,18 @@ class Session:
         self.prompt_lens = [len(p) for p in self.prompts]
         self.never = engine.policy.scores_nothing
         if self.never:
-            self.budgets, self.limits = [_NEVER] * batch, [0] * batch
+            self.budgets, self.limits, self.recency = SequenceBudgets([_NEVER] * batch, [0] * batch, [0] * batch)
         else:
             if budgets is None:
                 if config.fractional:
-                    raise UsageError("a fractional budget must be resolved per prompt (evictor.protocol.resolve_budget)")
+                    raise UsageError(
+                        "a fractional budget must be resolved per prompt (evictor.protocol.resolve_budget)"
+                    )
                 budgets = [int(config.budget)] * batch
             if len(budgets) != batch:
                 raise UsageError(f"{len(budgets)} budgets for {batch} prompts")
-            self.budgets, self.limits = sequence_budgets(budgets, self.prompt_lens, engine.protect, config)
+            self.budgets, self.limits, self.recency = sequence_budgets(
+                budgets, self.prompt_lens, engine.protect, config)
         width = max(self.prompt_lens)
         self.pad = [width - n for n in self.prompt_lens]
         self.block = width if self.never else config.block
@@ -211,14 +212,13 @@ class Session:
         slot_tensors = {}
         if self.engine.observes:
             slot_tensors[FROZEN] = ((), torch.float32)
-        if engine.attention_source == "eager":
-            slot_tensors.update(EagerFeed.slot_tensors(window))
+        refresh = engine.needs.refresh_threshold
+        if engine.needs.attention:
+            slot_tensors.update(AttentionFeed.slot_tensors(window, refresh))
         self.cache = EvictingCache(cfg, min(steady, width + max(max_new_tokens, 1)), slot_tensors)
         self.feed: AttentionFeed | None = None
-        if engine.attention_source == "eager":
-            self.feed = EagerFeed(self.model, self.cache, window, batch, self.device)
-        elif engine.attention_source == "window":
-            self.feed = WindowFeed(self.model, self.cache, window, batch, self.device)
+        if engine.needs.attention:
+            self.feed = AttentionFeed(self.model, self.cache, window, batch, self.device, refresh)
         self.states: list[dict[str, Any]] = [{} for _ in range(engine.n_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.n_valid = [0] * batch
@@ -243,7 +243,9 @@ class Session:
             [[pad_id] * p + prompt for p, prompt in zip(self.pad, self.prompts)], dtype=torch.long, device=self.device
         )
         self.input_positions = torch.tensor(
-            [[-1] * p + list(range(n)) for p, n in zip(self.pad, self.prompt_lens)], dtype=torch.int32, device=self.device
+            [[-1] * p + list(range(n)) for p, n in zip(self.pad, self.prompt_lens)],
+            dtype=torch.int32,
+            device=self.device,
         )
 
     # --- context ---------------------------------------------------------------------------------------------------
@@ -251,7 +253,7 @@ class Session:
         stack = self._stack
         hidden = self.engine.needs.hidden_layers
         if hidden:
-            names = {hook_name(layer, "hook_resid_post"): layer for layer in hidden}
+            names = {hook_name(layer, self.engine.needs.hidden_hook): layer for layer in hidden}
             stack.enter_context(
                 capture(self.model, list(names), callback=lambda name, t: self.hidden.__setitem__(names[name], t))
             )
@@ -320,8 +322,6 @@ class Session:
         slots = self.cache.slots
         self.pending = positions
         self.cache.begin_forward(positions)
-        if self.feed is not None:
-            self.feed.begin_forward(positions)
         self.window_masks = self.engine.has_sliding and max(p + r for p, r in zip(self.next_pos, real)) - 1 >= (
             self.model.config.sliding_window or 0
         )
@@ -342,7 +342,7 @@ class Session:
             self.peak_slots = self.cache.slots
             self.peak_live_bytes = self.cache.nbytes(live=True)
         if self.feed is not None:
-            self.feed.end_forward()
+            self.feed.end_forward(positions)
         if self.engine.observes:
             with self.timer.span(f"{self.phase}.observe"):
                 self._observe(slots, positions)
@@ -387,7 +387,7 @@ class Session:
             limits=self.limits,
             budgets=self.budgets,
             buffer=self.config.buffer,
-            recency=self.config.recency,
+            recency=self.recency,
             trigger=self.config.trigger,
             boundary=boundary,
         )
@@ -408,13 +408,16 @@ class Session:
         base = torch.where(column[None, :] >= (slots - n_valid)[:, None], inf, -inf)[:, None, :]  # [b, 1, S]
         span = column[lo:hi]
         candidate = ((span[None, :] >= start[:, None]) & (span[None, :] < end[:, None]) & triggered[:, None].bool())
-        context = {"base": base, "candidate": candidate[:, None, :], "n_keep": n_keep, "next_pos": next_pos}
         keep = max(k for k, t in zip(plan.keep_cand, plan.triggered) if t)
         if self.keep_log is not None:
             self.keep_log.begin_round(self.step_index, self.next_pos)
         with self.timer.span(f"{phase}.round"):
             with self.timer.span(f"{phase}.score"):
-                picks = [self._select(layer, plan, context, keep) for layer in range(len(self.cache.layers))]
+                scores = self.round_scores(plan.span, candidate[:, None, :], keep)
+                if self.engine.shared_layers:
+                    scores = [torch.stack(scores).mean(0)] * len(scores)
+                picks = [self._select(layer, layer_scores, plan, base, candidate[:, None, :], n_keep, next_pos)
+                         for layer, layer_scores in enumerate(scores)]
             with self.timer.span(f"{phase}.compact"):
                 for store, (index, valid) in zip(self.cache.layers, picks):
                     if self.keep_log is not None:
@@ -424,23 +427,34 @@ class Session:
         self.rounds = [r + int(t) for r, t in zip(self.rounds, plan.triggered)]
         self.memory.sample()
 
-    def _select(self, layer: int, plan: RoundPlan, context: dict, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_scores(self, span: tuple[int, int], candidate: torch.Tensor, keep: int) -> list[torch.Tensor]:
+        """Every layer's scores ``[b, kv, hi - lo]`` of the slots ``span = (lo, hi)`` at a round now, `candidate`
+        ``[b, 1 or kv, hi - lo]`` marking the real candidates and `keep` the survivors per (sequence, head): the
+        policy's output in float32, averaged over heads for shared keep sets. Rounds and `evictor.replay` both score
+        through here; layers are scored in order, so random policies draw the same numbers in both."""
+        next_positions = torch.tensor(self.next_pos, dtype=torch.long, device=self.device)
+        return [self._layer_scores(layer, span, candidate, keep, next_positions)
+                for layer in range(len(self.cache.layers))]
+
+    def _layer_scores(self, layer: int, span: tuple[int, int], candidate: torch.Tensor, keep: int,
+                      next_positions: torch.Tensor) -> torch.Tensor:
         needs = self.engine.needs
         store = self.cache.layers[layer]
-        lo, hi = plan.span
+        lo, hi = span
         positions = store.positions[:, :, lo:hi]
         shape = positions.shape
-        candidate = context["candidate"].expand(shape)
-        attention = query_positions = None
+        attention = query_positions = refreshed = None
         if needs.attention:
             attention, query_positions = self.feed.rows(layer, lo, hi)
+            if needs.refresh_threshold is not None:
+                refreshed = self.feed.refreshed(layer, lo, hi)
         else:
             assert self.feed is None, "an FA-compatible policy must never receive attention weights"
         inputs = ScoreInputs(
             layer=layer,
             step=self.step_index,
             positions=positions,
-            candidate_mask=candidate,
+            candidate_mask=candidate.expand(shape),
             keys=store.keys[:, :, lo:hi] if needs.keys else None,
             values=store.values[:, :, lo:hi] if needs.values else None,
             cache_keys=store.keys if needs.cache and needs.keys else None,
@@ -448,6 +462,8 @@ class Session:
             cache_mask=store.positions >= 0 if needs.cache else None,
             attention=attention,
             query_positions=query_positions,
+            refreshed=refreshed,
+            next_positions=next_positions,
             frozen=store.slot_tensor(FROZEN)[:, :, lo:hi] if self.engine.observes else None,
             state=self.states[layer],
             keep=keep,
@@ -456,14 +472,23 @@ class Session:
         scores = self.policy.score(inputs).float().expand(shape)
         if self.engine.shared:
             scores = scores.mean(1, keepdim=True).expand(shape)
+        return scores
+
+    def _select(self, layer: int, scores: torch.Tensor, plan: RoundPlan, base: torch.Tensor, candidate: torch.Tensor,
+                n_keep: torch.Tensor, next_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self.cache.layers[layer]
+        lo, hi = plan.span
+        shape = scores.shape
         info = torch.finfo(torch.float32)
         scores = torch.nan_to_num(scores, nan=info.min, posinf=info.max, neginf=info.min)
-        if store.is_sliding:  # never attended again by any future query of this layer
-            stale = (context["next_pos"][:, None, None] - positions) >= store.sliding_window
+        # Never attended again by any future query of this layer: evicted first, unless the keep set is shared with
+        # other layers, where it may still be read (keep sets must stay equal across layers).
+        if store.is_sliding and not self.engine.shared_layers:
+            stale = (next_pos[:, None, None] - store.positions[:, :, lo:hi]) >= store.sliding_window
             scores = scores.masked_fill(stale, info.min)
-        priority = context["base"].expand(shape[0], shape[1], store.length).clone()
-        priority[:, :, lo:hi] = torch.where(candidate, scores, priority[:, :, lo:hi])
-        return select_slots(priority, context["n_keep"], plan.slots)
+        priority = base.expand(shape[0], shape[1], store.length).clone()
+        priority[:, :, lo:hi] = torch.where(candidate.expand(shape), scores, priority[:, :, lo:hi])
+        return select_slots(priority, n_keep, plan.slots)
 
     # --- results ---------------------------------------------------------------------------------------------------
     def result(self, generated: list[list[int]], reasons: list[str]) -> BatchResult:
@@ -498,9 +523,9 @@ class Session:
             "peak_cache_bytes": self.peak_live_bytes,
             "cache_allocated_peak_bytes": self.cache.peak_allocated,
             **self.memory.report(),
-            "attention_source": self.engine.attention_source,
             "query_window": self.engine.query_window,
             "attention_requests": 0 if self.feed is None else self.feed.requests,
+            "attention_s": 0.0 if self.feed is None else self.feed.timer.total("attention"),
         }
         sequences = [
             SequenceResult(
@@ -509,6 +534,7 @@ class Session:
                 finish_reason=reasons[seq],
                 budget=None if self.never else self.budgets[seq],
                 protected=self.limits[seq],
+                recency=self.recency[seq],
                 rounds=self.rounds[seq],
                 cache_sizes=self.cache_sizes[seq],
                 keep_log=self.keep_log.for_sequence(seq) if self.keep_log is not None else None,

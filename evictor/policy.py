@@ -4,6 +4,11 @@ A policy is a small dataclass that turns what it declared it needs into one scor
 ``[batch, kv_head, candidates]``, higher = keep. It never sees the protected prompt, the recent buffer or the
 budget: the engine removes those from the candidate set, keeps the top-scoring candidates, and compacts the cache.
 
+Keep sets: one per (sequence, layer, KV head) by default; ``shared_across_heads`` makes the engine average a layer's
+per-head scores into one keep set for every head of the layer, ``shared_across_layers`` makes it average one round's
+per-layer scores into one keep set per KV head applied to every layer (both: one set for the whole cache). The scores
+a round computes for each layer are what `evictor.replay` reports, before any layer average.
+
 Two hooks exist:
 
 - ``score(inputs)`` (required) is called at every eviction round for every layer.
@@ -15,13 +20,17 @@ Two hooks exist:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from core.errors import unknown_choice
+from core.errors import UsageError, unknown_choice
+from probes.signals.hidden import DEFAULT_HIDDEN_HOOK
 
 
 @dataclass(frozen=True)
@@ -30,11 +39,21 @@ class Needs:
 
     keys: bool = False
     values: bool = False
-    hidden_layers: tuple[int, ...] = ()  # residual streams (blocks.{l}.hook_resid_post) read when tokens are produced
+    hidden_layers: tuple[int, ...] = ()  # residual streams read when tokens are produced, at the hook below
+    # Which residual stream of block l is h_l: "hook_resid_pre" (its input, HF output_hidden_states[l], EpiKV's h_l)
+    # or "hook_resid_post" (its output); the engine captures blocks.{l}.<hidden_hook> for every hidden layer.
+    hidden_hook: str = DEFAULT_HIDDEN_HOOK
     attention: bool = False  # attention probabilities of (recent) queries over the cached keys
     # ScoreInputs.cache_keys / cache_values (every resident slot, for cache means) of the kinds set by keys / values
     cache: bool = False
     queries_window: int = 0  # how many recent queries the attention must cover (0 = every query since entry)
+    # ScoreInputs.refreshed: per slot, the position of the newest query whose attention on it exceeded this multiple
+    # of that query's uniform share 1 / (keys it saw) (RaaS's refresh rule); needs `attention` (the feed computes it)
+    refresh_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.refresh_threshold is not None and not self.attention:
+            raise ValueError("refresh timestamps are computed from the attention feed: set attention=True")
 
     @property
     def fa_compatible(self) -> bool:
@@ -49,7 +68,7 @@ class ObserveInputs:
     positions: torch.Tensor  # [batch, new] absolute positions of the new tokens
     keys: torch.Tensor | None  # [batch, kv_head, new, d_head] post-RoPE keys of the new tokens
     values: torch.Tensor | None  # [batch, kv_head, new, d_head]
-    hidden: dict[int, torch.Tensor]  # layer -> [batch, new, d_model] residual stream (resid_post) of the new tokens
+    hidden: dict[int, torch.Tensor]  # layer -> [batch, new, d_model] residual stream (Needs.hidden_hook) of new tokens
     state: dict[str, Any]  # per-(policy, layer) streaming state owned by the policy; starts empty per sequence batch
 
 
@@ -72,6 +91,9 @@ class ScoreInputs:
     cache_mask: torch.Tensor | None = None  # [batch, kv_head, slots] bool, False on padding slots
     attention: torch.Tensor | None = None  # [batch, kv_head, queries, candidates] probabilities, GQA group-averaged
     query_positions: torch.Tensor | None = None  # [batch, queries] absolute positions of the attention's queries
+    # [batch, kv_head, candidates] newest refreshing query's position, else the slot's own (Needs.refresh_threshold)
+    refreshed: torch.Tensor | None = None
+    next_positions: torch.Tensor | None = None  # [batch] position of each sequence's next token (= tokens produced)
     frozen: torch.Tensor | None = None  # [batch, kv_head, candidates] scores `observe` returned for these tokens
     state: dict[str, Any] = field(default_factory=dict)  # same per-(policy, layer) state `observe` saw
     keep: int = 0  # how many candidates per (sequence, head) survive this round (VaSE splits it; most ignore it)
@@ -85,6 +107,9 @@ class Policy:
     citation: ClassVar[str] = ""  # paper and equation
     deviations: ClassVar[str] = ""  # where this implementation departs from the paper, and why
     shared_across_heads: ClassVar[bool] = False  # one keep set for all KV heads of a layer
+    # one keep set per KV head for every layer, from the mean of the round's per-layer scores (read on the instance:
+    # a policy may make it a property of its parameters)
+    shared_across_layers: ClassVar[bool] = False
     # `observe` reads nothing layer-specific (e.g. only the residual stream): the engine calls it once per forward
     # instead of once per layer and gives every layer the same frozen scores.
     layer_independent: ClassVar[bool] = False
@@ -145,6 +170,92 @@ def get_policy(name: str, **params: Any) -> Policy:
 def policy_names() -> list[str]:
     _load_builtin_policies()
     return list(POLICIES)
+
+
+def choose_policies(text: str) -> list[str]:
+    """Registered policy names from a CLI value: one name, a comma list (duplicates dropped) or 'all'; an unknown
+    name is a `UsageError` with a did-you-mean hint."""
+    names = policy_names()
+    if text.strip() == "all":
+        return names
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    if not chosen:
+        raise UsageError(f"no policy in {text!r}; give a name, a comma list or 'all'")
+    for name in chosen:
+        if name not in names:
+            raise unknown_choice("policy", name, names)
+    return list(dict.fromkeys(chosen))
+
+
+def read_policy_config(path: str | os.PathLike, flag: str = "--policy-config") -> tuple[str, dict[str, Any]]:
+    """``(policy name, params)`` of a policy configuration file ``{"policy": name, "params": {...}}`` (what
+    validation writes and `evictor.run` / `evictor.replay` read), refusing in one line a missing or malformed file
+    and an unknown policy name."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"{flag} {str(path)!r} does not exist")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"{flag} {str(path)!r} is not valid JSON ({err})") from None
+    if not isinstance(config, dict) or "policy" not in config or not isinstance(config.get("params", {}), dict):
+        raise UsageError(f'{flag} {str(path)!r} must be {{"policy": name, "params": {{...}}}}')
+    names = policy_names()
+    if config["policy"] not in names:
+        raise unknown_choice("policy", str(config["policy"]), names)
+    return config["policy"], dict(config.get("params", {}))
+
+
+def read_policy_configs(paths: Sequence[str], flag: str = "--policy-config") -> dict[str, dict[str, Any]]:
+    """Policy name -> parameters, from policy configuration files (`read_policy_config`), one file per policy."""
+    params: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        name, values = read_policy_config(path, flag)
+        if name in params:
+            raise UsageError(f"{flag} {str(path)!r} configures {name!r} a second time; give one file per policy")
+        params[name] = values
+    return params
+
+
+def calibrated_policies(names: Sequence[str]) -> list[str]:
+    """The registered policies among `names` that need a per-model calibration file (`evictor.calibration`)."""
+    from evictor.calibration import CalibratedPolicy  # it subclasses Policy: imported when asked
+
+    _load_builtin_policies()
+    return [name for name in names if issubclass(POLICIES[name], CalibratedPolicy)]
+
+
+def select_policies(text: str | None, configured: Mapping[str, Any],
+                    flag: str = "--policy") -> tuple[list[str], list[str]]:
+    """(the policies `text` names, those ``all`` left out): ``all`` is every registered policy but the calibrated
+    ones no policy configuration file configures (`configured`), since they cannot run without their calibration.
+    A configured policy that `text` does not name is added: a configuration file given is a policy to run."""
+    if not text:
+        raise UsageError(f"give {flag} (a name, a comma list or 'all') or --policy-config")
+    names = choose_policies(text)
+    names += [name for name in configured if name not in names]
+    if text.strip() != "all":
+        return names, []
+    left_out = [name for name in calibrated_policies(names) if name not in configured]
+    return [name for name in names if name not in left_out], left_out
+
+
+def left_out_line(left_out: Sequence[str], flag: str = "--policy") -> str:
+    """One line naming the calibrated policies ``all`` left out and how to include them."""
+    from evictor.calibration import calibrate_command
+
+    commands = "; ".join(f"`{calibrate_command(POLICIES[name].method)}`" for name in left_out)
+    return (f"{flag} all leaves out {', '.join(left_out)}: each needs a per-model calibration file ({commands}); "
+            'include one with --policy-config FILE holding {"policy": NAME, "params": {"calibration": "CALIBRATION '
+            'FILE"}}')
+
+
+def configured_policy(name: str, params: dict[str, Any], flag: str = "--policy-config") -> Policy:
+    """`get_policy` with parameters from a file: an unknown parameter name is a one-line `UsageError`."""
+    try:
+        return get_policy(name, **params)
+    except TypeError as err:
+        raise UsageError(f"{flag}: {name}: {err}") from None
 
 
 def _load_builtin_policies() -> None:

@@ -11,12 +11,18 @@ At an eviction round the resident tokens of one (sequence, layer, KV head) split
 - **buffer** ``r``: the ``r`` newest tokens. Never scored, never evicted, and *not* counted in the budget (Random
   Attention §3.1: the cache returns to ``K + r`` entries after each round).
 - **recency window** ``w`` (default 0): the ``w`` tokens just older than the buffer. Never scored, never evicted,
-  counted in the budget (EpiKV App. 9 keeps a trailing recency window of ``min(128, K/4)`` inside ``K``).
+  counted in the budget (EpiKV App. 9 keeps a trailing recency window of ``min(128, K/4)`` inside ``K``). With
+  ``recency_share`` set, each sequence has its own window ``w_b = min(recency, floor(recency_share * K_b))`` from its
+  own budget ``K_b`` as given (before `budget_scope` is applied), so a fractional budget, which resolves to a
+  different K for every problem, gives every problem EpiKV's ``min(128, K/4)``; `sequence_budgets` returns the
+  windows and `plan_round` takes one per sequence.
 - **candidates**: everything else. The policy scores them and the top ``K - |protected| - w`` survive.
 
 So after a round the cache holds ``K + r`` slots: ``K`` = protected + recency window + scored survivors, plus the
 buffer. With ``budget_scope="trace"`` the budget counts only the scored survivors (EpiKV's footnote: "applies its
-budget to the remaining positions"), i.e. the effective ``K`` becomes ``K + |protected| + w``.
+budget to the remaining positions"), i.e. the effective ``K`` becomes ``K + |protected| + w``. With
+``budget_scope="with_buffer"`` K counts the buffer too (effective ``K - r``, so a round leaves ``K`` slots), which
+is how Random Attention's released engine counts its ``token_budget``.
 
 If the protected part plus the recency window does not fit in ``K`` (a long prompt), the run fails with a clear
 error unless ``on_long_prompt`` chooses a fallback explicitly: ``"expand"`` raises that sequence's budget to
@@ -39,34 +45,40 @@ Fractional budgets (`resolve_budget`): ``0 < budget < 1`` means ``ceil(budget * 
 length of the reference generation: the dense (``--policy full``) trace length of the same problem when a
 reference run is given, otherwise ``max_new_tokens``. The prompt is not part of ``L`` (compression factor ~ 1/f of
 the generated trace, as Random Attention reports it) but protected prompt tokens still count inside ``K``.
+
+Per-paper presets (`PRESETS`, `resolve_protocol`): ``random_attention``, ``epikv``, ``valuediff`` set the trigger,
+buffer, recency window, budget scope, prefill blocks, protection and sampling as each paper states them;
+``custom`` sets nothing beyond the `EvictionConfig` defaults. Explicit settings override a preset; an explicit
+``recency`` without ``recency_share`` is a fixed window (EpiKV's preset sets ``recency=128, recency_share=0.25``, a
+window of ``min(128, floor(K_b / 4))`` per problem, whatever the budget, fractional or not).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 from core.errors import UsageError, unknown_choice
 
 TRIGGERS = ("interval", "step")
 PROTECTIONS = ("prompt", "sinks", "none")
 ON_LONG_PROMPT = ("error", "expand", "sinks")
-BUDGET_SCOPES = ("all", "trace")
-ATTENTION_SOURCES = ("eager", "window")
+BUDGET_SCOPES = ("all", "trace", "with_buffer")
 
 DEFAULT_BUFFER = 64  # Random Attention's r
 DEFAULT_BLOCK = 128  # ValueDiff's B
 DEFAULT_SINKS = 4  # StreamingLLM
+WHOLE_PROMPT = 1 << 30  # a prefill block longer than any prompt: one ordinary prefill, no eviction inside it
 
 
 @dataclass(frozen=True)
 class EvictionConfig:
     """Protocol knobs with the papers' defaults (see the module docstring for the exact budget semantics).
 
-    `protect=None` takes the policy's `default_protection`; `attention_source=None` takes "eager" when the model runs
-    the eager kernel and "window" otherwise; `query_window=None` takes the policy's `Needs.queries_window`, and with
-    the window source a policy asking for "every query since entry" (0) gets the last `buffer` queries instead.
+    `protect=None` takes the policy's `default_protection`; `query_window=None` takes the policy's
+    `Needs.queries_window` (0 = every query since entry, exact under every kernel).
     """
 
     budget: float = 1024
@@ -76,17 +88,19 @@ class EvictionConfig:
     protect: str | None = None
     n_sinks: int = DEFAULT_SINKS
     recency: int = 0
+    recency_share: float | None = None  # per-sequence window min(recency, floor(recency_share * K_b)); None: recency
     budget_scope: str = "all"
     on_long_prompt: str = "error"
     shared: bool = False  # force one keep set per layer (mean of the policy's per-head scores)
-    attention_source: str | None = None
     query_window: int | None = None
     seed: int = 0
     keep_log: bool = False
 
     def __post_init__(self) -> None:
         if not self.budget > 0 or (self.budget >= 1 and self.budget != int(self.budget)):
-            raise UsageError(f"budget must be a positive whole number of tokens or a fraction in (0, 1), got {self.budget}")
+            raise UsageError(
+                f"budget must be a positive whole number of tokens or a fraction in (0, 1), got {self.budget}"
+            )
         for name in ("buffer", "recency", "n_sinks"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -95,15 +109,17 @@ class EvictionConfig:
         if self.trigger not in TRIGGERS:
             raise unknown_choice("trigger", self.trigger, TRIGGERS)
         if self.trigger == "interval" and self.buffer < 1:
-            raise UsageError("trigger 'interval' evicts every `buffer` steps, so it needs buffer >= 1 (or use --trigger step)")
+            raise UsageError(
+                "trigger 'interval' evicts every `buffer` steps, so it needs buffer >= 1 (or use --trigger step)"
+            )
         if self.protect is not None and self.protect not in PROTECTIONS:
             raise unknown_choice("protection", self.protect, PROTECTIONS)
         if self.on_long_prompt not in ON_LONG_PROMPT:
             raise unknown_choice("long-prompt fallback", self.on_long_prompt, ON_LONG_PROMPT)
         if self.budget_scope not in BUDGET_SCOPES:
             raise unknown_choice("budget scope", self.budget_scope, BUDGET_SCOPES)
-        if self.attention_source is not None and self.attention_source not in ATTENTION_SOURCES:
-            raise unknown_choice("attention source", self.attention_source, ATTENTION_SOURCES)
+        if self.recency_share is not None and not 0 < self.recency_share <= 1:
+            raise UsageError(f"recency_share must be in (0, 1], got {self.recency_share}")
         if self.query_window is not None and self.query_window < 1:
             raise UsageError(f"query_window must be >= 1, got {self.query_window}")
 
@@ -127,42 +143,64 @@ def protection_limit(protect: str, prompt_len: int, n_sinks: int) -> int:
     return {"prompt": prompt_len, "sinks": n_sinks, "none": 0}[protect]
 
 
+def recency_window(config: EvictionConfig, budget: int) -> int:
+    """The recency window of a sequence whose budget (as given, in tokens) is `budget`."""
+    if config.recency_share is None:
+        return config.recency
+    return min(config.recency, math.floor(round(config.recency_share * budget, 6)))
+
+
+class SequenceBudgets(NamedTuple):
+    """Per sequence: the effective budget K_b, the protection limit and the recency window w_b."""
+
+    budgets: list[int]
+    limits: list[int]
+    recency: list[int]
+
+
 def sequence_budgets(
     budgets: Sequence[int],
     prompt_lens: Sequence[int],
     protect: str,
     config: EvictionConfig,
     names: Sequence[str] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Per-sequence effective budget K_b and protection limit, applying `budget_scope` and `on_long_prompt`.
+) -> SequenceBudgets:
+    """Per-sequence effective budget K_b, protection limit and recency window (`recency_window`), applying
+    `budget_scope` and `on_long_prompt`.
 
     Raises `UsageError` naming the sequence when a protected prompt plus the recency window exceeds its budget and no
     fallback was chosen.
     """
-    out_budgets, limits = [], []
+    out = SequenceBudgets([], [], [])
     for index, (budget, prompt_len) in enumerate(zip(budgets, prompt_lens)):
         who = names[index] if names is not None else f"sequence {index}"
         limit = protection_limit(protect, prompt_len, config.n_sinks)
+        recency = recency_window(config, budget)
         if config.budget_scope == "trace":
-            budget = budget + limit + config.recency
-        elif limit + config.recency > budget:
+            budget = budget + limit + recency
+        elif config.budget_scope == "with_buffer":
+            if budget <= config.buffer:
+                raise UsageError(f"{who}: budget {budget} must exceed the buffer {config.buffer} it includes")
+            budget -= config.buffer
+        if config.budget_scope != "trace" and limit + recency > budget:
             if config.on_long_prompt == "error":
                 raise UsageError(
-                    f"{who}: {limit} protected tokens ({protect}) + recency window {config.recency} exceed "
+                    f"{who}: {limit} protected tokens ({protect}) + recency window {recency} exceed "
                     f"the budget {budget}; raise --budget, use --protect sinks|none, or choose a fallback with "
                     f"--on-long-prompt expand|sinks"
                 )
             if config.on_long_prompt == "expand":
-                budget = limit + config.recency
+                budget = limit + recency
             else:
                 limit = config.n_sinks
-                if limit + config.recency > budget:
+                if limit + recency > budget:
                     raise UsageError(
-                        f"{who}: even {limit} sinks + recency window {config.recency} exceed the budget {budget}"
+                        f"{who}: even {limit} sinks + recency window {recency} exceed the budget {budget}"
                     )
-        out_budgets.append(budget)
-        limits.append(limit)
-    return out_budgets, limits
+        out.budgets.append(budget)
+        out.limits.append(limit)
+        out.recency.append(recency)
+    return out
 
 
 @dataclass(frozen=True)
@@ -192,7 +230,7 @@ def plan_round(
     limits: Sequence[int],
     budgets: Sequence[int],
     buffer: int,
-    recency: int,
+    recency: Sequence[int],
     trigger: str,
     boundary: bool,
 ) -> RoundPlan | None:
@@ -200,15 +238,16 @@ def plan_round(
 
     `slots`: current slot count (valid slots of sequence b are the last ``n_valid[b]``); `next_pos[b]`: positions
     ``0..next_pos[b]-1`` have been produced; `limits[b]`: protection limit; `budgets[b]`: effective K_b;
-    `boundary`: a prefill block boundary (evicts whenever over ``K + r`` regardless of the trigger).
+    `recency[b]`: recency window w_b; `boundary`: a prefill block boundary (evicts whenever over ``K + r``
+    regardless of the trigger).
     """
     triggered, n_keep, starts, ends, keeps = [], [], [], [], []
-    for n, produced, limit, budget in zip(n_valid, next_pos, limits, budgets):
+    for n, produced, limit, budget, window in zip(n_valid, next_pos, limits, budgets, recency, strict=True):
         n_prot = min(limit, produced)
         n_buf = min(buffer, n - n_prot)
-        n_rec = min(recency, n - n_prot - n_buf)
+        n_rec = min(window, n - n_prot - n_buf)
         n_cand = n - n_prot - n_buf - n_rec
-        keep_cand = max(0, budget - n_prot - recency)
+        keep_cand = max(0, budget - n_prot - window)
         if boundary or trigger == "step":
             fires = n > budget + buffer
         else:
@@ -225,3 +264,172 @@ def plan_round(
     lo = min(s for s, t in zip(starts, triggered) if t)
     hi = max(e for e, t in zip(ends, triggered) if t)
     return RoundPlan(tuple(triggered), tuple(n_keep), tuple(starts), tuple(ends), tuple(keeps), max(n_keep), (lo, hi))
+
+
+# --- per-paper presets ---------------------------------------------------------------------------------------------
+
+SAMPLING_FIELDS = ("temperature", "top_p")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn: greedy at temperature 0, else softmax at `temperature` restricted to the `top_p`
+    nucleus (`tasks.generation.pick_tokens`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        from tasks.generation import check_sampling  # imported here: transformers stays out of `--help`
+
+        try:
+            check_sampling(self.temperature, self.top_p)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One paper's protocol: `settings` are `EvictionConfig` fields (``protect`` left to each policy's own default,
+    which encodes the per-method rule the paper reports), `source` the passages it follows."""
+
+    name: str
+    summary: str
+    source: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    sampling: Sampling = Sampling()
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset(
+            "random_attention",
+            "evict every r = 64 decode steps once past K + r; the r newest tokens unscored, on top of K; no recency "
+            "window; whole-prompt prefill; each policy's own protection; T = 0.6, top-p 0.95",
+            "Random Attention notes §3.1 (periodic eviction: 'every r decode steps ... the cache returns to K + r', "
+            "r = 64 throughout) and §4 general setup (released sampling settings: temperature 0.6 for Qwen3, "
+            "top-p 0.95; prompt protection only in Random Attention and TriAttention in the main grid). Its released "
+            "engine counts the buffer inside token_budget: budget_scope='with_buffer' reproduces that.",
+            {"trigger": "interval", "buffer": DEFAULT_BUFFER, "recency": 0, "budget_scope": "all",
+             "block": WHOLE_PROMPT},
+            Sampling(temperature=0.6, top_p=0.95),
+        ),
+        Preset(
+            "epikv",
+            "evict at every step; prompt kept (prefill policies) and a recency window of min(128, K/4) unscored, "
+            "K counting only the remaining positions; no buffer; whole-prompt prefill; greedy",
+            "EpiKV §3.1 ('at each step a policy scores the cached positions and retains the K highest'), §3.3 and "
+            "footnote 1 ('preserves the prompt ... and a trailing recency window, and applies its budget to the "
+            "remaining positions'), App. 9 ('Recency is min(128, K/4) throughout'; H2O keeps sinks, RaaS and the "
+            "hidden-state/KV families the prefill), §3.5 ('Generation is greedy throughout').",
+            {"trigger": "step", "buffer": 0, "recency": 128, "recency_share": 0.25, "budget_scope": "trace",
+             "block": WHOLE_PROMPT},
+            Sampling(),
+        ),
+        Preset(
+            "valuediff",
+            "evict whenever the cache exceeds N (top-N at every step); no buffer, no recency window; block prompt "
+            "processing with B = 128; each policy's own protection (none for the geometric scores); greedy",
+            "ValueDiff §2.1 eq. 2 (top-N whenever the cache exceeds N), §2.2 eq. 3 (eviction at every block "
+            "boundary), §4 protocol ('block prompt processing ... chunk size of B = 128 combined with decode-time "
+            "token eviction'). Sampling: App. F samples k = 5 at each model card's temperature / top-p (greedy for "
+            "Qwen3.5); kvscope's models carry no such card, so the preset is greedy and a card's values are given "
+            "explicitly.",
+            {"trigger": "step", "buffer": 0, "recency": 0, "budget_scope": "all", "block": DEFAULT_BLOCK},
+            Sampling(),
+        ),
+        Preset(
+            "custom",
+            "nothing preset: the EvictionConfig defaults and explicit settings only; greedy",
+            "kvscope's EvictionConfig defaults (interval trigger, r = 64, B = 128, no recency window).",
+        ),
+    )
+}
+PROTOCOLS = tuple(PRESETS)
+OVERRIDABLE = tuple(f.name for f in fields(EvictionConfig)) + SAMPLING_FIELDS
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A resolved protocol: the eviction settings, the sampling, the preset they came from and which settings were
+    given explicitly (they win over the preset)."""
+
+    preset: str
+    config: EvictionConfig
+    sampling: Sampling
+    explicit: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"protocol": self.preset, **self.config.to_dict(), **asdict(self.sampling),
+                "explicit": list(self.explicit)}
+
+
+def resolve_protocol(preset: str, overrides: Mapping[str, Any] | None = None) -> Protocol:
+    """(preset name, explicit settings) -> `Protocol`. `overrides` holds `EvictionConfig` fields plus ``temperature``
+    and ``top_p``; None values mean "not given" (so a CLI can pass its parsed flags whose default is None)."""
+    if preset not in PRESETS:
+        raise unknown_choice("protocol", preset, PROTOCOLS)
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    for key in given:
+        if key not in OVERRIDABLE:
+            raise unknown_choice("protocol setting", key, OVERRIDABLE)
+    chosen = PRESETS[preset]
+    settings = {**chosen.settings, **{k: v for k, v in given.items() if k not in SAMPLING_FIELDS}}
+    if "recency" in given and "recency_share" not in given:
+        settings["recency_share"] = None  # an explicit window is that window, not a cap on a preset's share of K
+    sampling = replace(chosen.sampling, **{k: v for k, v in given.items() if k in SAMPLING_FIELDS})
+    return Protocol(preset, EvictionConfig(**settings), sampling, tuple(sorted(given)))
+
+
+def add_protocol_arguments(parser, *, sampling: bool = True, default: str = "custom") -> None:
+    """The protocol flags every eviction CLI shares: ``--protocol`` (default `default`) and the settings it presets
+    (all default None, meaning "the preset's"); read them back with ``protocol_overrides(vars(args))``.
+
+    ``sampling=False`` is for CLIs that teacher-force every token: ``--temperature`` and ``--top-p`` leave the help,
+    and are still parsed so that the CLI can refuse them in one line saying why, rather than as unknown flags."""
+    import argparse
+
+    from core.cli import non_negative_float, non_negative_int, positive_int, unit_interval
+
+    if default not in PRESETS:
+        raise unknown_choice("protocol", default, PROTOCOLS)
+    described = "; ".join(f"{p.name}: {p.summary}" for p in PRESETS.values())
+    unsampled = "" if sampling else "; every token is teacher-forced, so no preset's sampling applies"
+    parser.add_argument("--protocol", default=default, choices=PROTOCOLS,
+                        help=f"per-paper eviction protocol; explicit flags below override it ({described}{unsampled}) "
+                        f"(default: {default})")
+    parser.add_argument("--buffer", type=non_negative_int, default=None,
+                        help="recent buffer r: the r newest tokens are never scored nor evicted, on top of K")
+    parser.add_argument("--block", type=positive_int, default=None,
+                        help="prefill block size B; eviction at every block boundary, prefill peak K + r + B")
+    parser.add_argument("--trigger", default=None, choices=TRIGGERS,
+                        help="interval: evict every r steps once the cache reaches K + 2r; step: whenever over K + r")
+    parser.add_argument("--protect", default=None, choices=PROTECTIONS,
+                        help="never evict the whole prompt, the first --n-sinks tokens, or nothing (default: the "
+                        "policy's)")
+    parser.add_argument("--n-sinks", type=non_negative_int, default=None,
+                        help=f"sink tokens for --protect sinks (default: {DEFAULT_SINKS})")
+    parser.add_argument("--recency", type=non_negative_int, default=None,
+                        help="recency window w inside K: the w tokens before the buffer are kept unscored (the cap "
+                        "of the window when --recency-share is given)")
+    parser.add_argument("--recency-share", type=unit_interval, default=None,
+                        help="per-problem recency window min(--recency, floor(share * K)) from each problem's own K "
+                        "(EpiKV: 128 and 0.25)")
+    parser.add_argument("--budget-scope", default=None, choices=BUDGET_SCOPES,
+                        help="all: K counts protected tokens and the recency window; trace: K counts only scored "
+                        "survivors; with_buffer: K also counts the buffer")
+    parser.add_argument("--on-long-prompt", default=None, choices=ON_LONG_PROMPT,
+                        help="if the protected prompt + recency window exceed K: error (default), expand K to fit "
+                        "it, or protect only sinks for that problem")
+    parser.add_argument("--temperature", type=non_negative_float, default=None,
+                        help="sampling temperature; 0 = greedy (default: the preset's)" if sampling
+                        else argparse.SUPPRESS)
+    parser.add_argument("--top-p", type=unit_interval, default=None,
+                        help="nucleus mass for sampling, in (0, 1] (default: the preset's)" if sampling
+                        else argparse.SUPPRESS)
+
+
+def protocol_overrides(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The protocol settings among parsed CLI arguments (``vars(args)``), None where not given."""
+    return {key: arguments.get(key) for key in OVERRIDABLE if key in arguments}

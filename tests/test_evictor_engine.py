@@ -1,24 +1,27 @@
 """The eviction engine: protocol arithmetic and selection by hand, then tiny-model integration (exactness against
 plain `generate`, RoPE/position correctness after evictions, per-policy invariants, block prefill, batching,
-attention sources, keep-logs) and one fast SmolLM2 check."""
+attention exact under every kernel, keep-logs) and fast SmolLM2 checks."""
 
 from __future__ import annotations
 
 import copy
-import math
 
 import numpy as np
 import pytest
 import torch
+from test_models_attention import using_kernel  # tests/ is on sys.path under pytest
 from transformers import DynamicCache
 
-from evictor.attention import group_average, recompute_attention
+from core.errors import UsageError
+from evictor.attention import AttentionFeed
 from evictor.cache import position_mask
+from evictor.calibration import CalibratedPolicy
 from evictor.engine import FROZEN, EvictionEngine, select_slots
 from evictor.instrument import kept_positions
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
 from evictor.protocol import EvictionConfig, plan_round, resolve_budget, sequence_budgets
-from core.errors import UsageError
+from models.attention import group_mean
+from models.hooks import decoder_layers
 from models.tiny import tiny_model
 from tasks.generation import stop_token_ids
 
@@ -76,8 +79,10 @@ class LocalAttention(Policy):
 
 
 LOCAL = {cls.name: cls for cls in (LocalRandom, LocalOldest, LocalKeyNormFrozen, LocalAttention)}
-REGISTERED = policy_names()
+# Calibrated policies (ThinKV, TriAttention) need a per-model file: their own test modules run them in the engine.
+REGISTERED = [name for name in policy_names() if not isinstance(get_policy(name), CalibratedPolicy)]
 ALL = list(LOCAL) + REGISTERED
+ATTENTION_POLICIES = [name for name in REGISTERED if get_policy(name).needs.attention]
 
 
 def make_policy(name: str) -> Policy:
@@ -102,11 +107,11 @@ def tiny_llama_eager():
     return tiny_model("llama", seed=0, attn_implementation="eager")
 
 
-# --- protocol arithmetic, derived by hand ------------------------------------------------------------------------------
+# --- protocol arithmetic, derived by hand ----------------------------------------------------------------------------
 def test_plan_round_interval_and_step_by_hand():
     # 10 resident tokens, prompt of 2 protected, K = 5, r = 2: candidates are slots 2..7 (6 of them), K - 2 = 3 survive,
     # so 7 = K + r remain.
-    common = dict(slots=10, n_valid=[10], next_pos=[10], limits=[2], budgets=[5], buffer=2, recency=0)
+    common = dict(slots=10, n_valid=[10], next_pos=[10], limits=[2], budgets=[5], buffer=2, recency=[0])
     plan = plan_round(**common, trigger="interval", boundary=False)
     assert plan.triggered == (True,) and plan.n_keep == (7,) and plan.slots == 7
     assert (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0]) == (2, 8, 3)
@@ -115,14 +120,14 @@ def test_plan_round_interval_and_step_by_hand():
     assert plan_round(**eight, trigger="interval", boundary=False) is None
     assert plan_round(**eight, trigger="step", boundary=False).n_keep == (7,)
     # a recency window of 1 counts in K: the candidates shrink by one slot and one fewer survives
-    plan = plan_round(**dict(common, recency=1), trigger="interval", boundary=False)
+    plan = plan_round(**dict(common, recency=[1]), trigger="interval", boundary=False)
     assert (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0], plan.n_keep[0]) == (2, 7, 2, 7)
 
 
 def test_plan_round_batch_with_padding_by_hand():
     # sequence 0 has 10 tokens, sequence 1 has 6 (4 padding slots on the left); only sequence 0 is over budget
     plan = plan_round(slots=10, n_valid=[10, 6], next_pos=[10, 6], limits=[2, 2], budgets=[5, 5], buffer=2,
-                      recency=0, trigger="step", boundary=False)
+                      recency=[0, 0], trigger="step", boundary=False)
     assert plan.triggered == (True, False)
     assert plan.n_keep == (7, 6) and plan.slots == 7
     assert plan.span == (2, 8)
@@ -146,24 +151,6 @@ def test_position_mask_by_hand():
     assert torch.equal(mask[0, 0], mask[0, 1])  # both query heads of the group
 
 
-def test_recompute_attention_by_hand():
-    # d = 1, scaling 1: keys 0 and ln 3 -> query head 0 (q = 1) gives [1/4, 3/4]; head 1 (q = 0) gives [1/2, 1/2];
-    # their group mean is [3/8, 5/8]. A padding query row is zero.
-    keys = torch.tensor([[[[0.0], [math.log(3)]]]])
-    queries = torch.tensor([[[[1.0], [1.0]], [[0.0], [0.0]]]])  # [b, q_head=2, Q=2, d=1]
-    probs = recompute_attention(queries, torch.tensor([[1, -1]]), keys, torch.tensor([[[0, 1]]]), scaling=1.0)
-    torch.testing.assert_close(probs[0, 0, 0], torch.tensor([3 / 8, 5 / 8]))
-    assert probs[0, 0, 1].abs().sum() == 0
-    # causality by position: a query at position 0 sees only key 0
-    probs = recompute_attention(queries[:, :, :1], torch.tensor([[0]]), keys, torch.tensor([[[0, 1]]]), scaling=1.0)
-    torch.testing.assert_close(probs[0, 0, 0], torch.tensor([1.0, 0.0]))
-
-
-def test_group_average_by_hand():
-    weights = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]], [[0.5, 0.5]], [[1.0, 0.0]]]])  # 4 q heads, 2 kv heads
-    assert group_average(weights, 2)[0, :, 0].tolist() == [[0.5, 0.5], [0.75, 0.25]]
-
-
 def test_kept_positions_by_hand():
     log = {"round": np.array([0, 0, 1]), "layer": np.array([0, 0, 0]), "head": np.array([0, 1, 0]),
            "position": np.array([1, 2, 3]), "round_next_pos": np.array([5, 7])}
@@ -177,12 +164,31 @@ def test_budget_resolution_and_long_prompts():
     config = EvictionConfig(budget=8)
     with pytest.raises(UsageError, match="10 protected tokens"):
         sequence_budgets([8], [10], "prompt", config)
-    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="expand")) == ([10], [10])
-    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="sinks")) == ([8], [4])
-    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, budget_scope="trace", recency=2)) == ([20], [10])
+    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="expand")) == (
+        [10], [10], [0])
+    assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="sinks")) == ([8], [4], [0])
+    trace_scope = EvictionConfig(budget=8, budget_scope="trace", recency=2)
+    assert sequence_budgets([8], [10], "prompt", trace_scope) == ([20], [10], [2])
     for bad in (dict(budget=0), dict(budget=2.5), dict(buffer=0), dict(block=0), dict(trigger="often")):
         with pytest.raises(UsageError):
             EvictionConfig(**bad)
+
+
+def test_per_sequence_recency_by_hand():
+    # EpiKV: w_b = min(128, floor(K_b / 4)) from each sequence's own K; budget scope "trace" adds prompt + w_b to K_b.
+    # K 100 -> w 25, K_b 100 + 10 + 25 = 135; K 1000 -> w 128 (capped), K_b 1000 + 10 + 128 = 1138.
+    epikv = EvictionConfig(budget=0.5, recency=128, recency_share=0.25, budget_scope="trace")
+    assert sequence_budgets([100, 1000], [10, 10], "prompt", epikv) == ([135, 1138], [10, 10], [25, 128])
+    # without a share the window is the same fixed w for every sequence
+    fixed = EvictionConfig(budget=0.5, recency=8)
+    assert sequence_budgets([100, 1000], [10, 10], "prompt", fixed).recency == [8, 8]
+    # plan_round takes one window per sequence: 20 resident, prompt 2, K 12, no buffer, windows 2 and 6.
+    # Sequence 0: candidates 2..17 (16), keeps 12 - 2 - 2 = 8; sequence 1: candidates 2..13 (12), keeps 4.
+    plan = plan_round(slots=20, n_valid=[20, 20], next_pos=[20, 20], limits=[2, 2], budgets=[12, 12], buffer=0,
+                      recency=[2, 6], trigger="step", boundary=False)
+    assert plan.cand_end == (18, 14) and plan.keep_cand == (8, 4) and plan.n_keep == (12, 12)
+    with pytest.raises(UsageError, match="recency_share"):
+        EvictionConfig(recency_share=1.5)
 
 
 # --- exactness: K larger than the sequence == plain generate ----------------------------------------------------------
@@ -201,12 +207,11 @@ def test_every_policy_with_a_large_budget_matches_generate(name, tiny):
     assert result.stats["decode_rounds"] == 0
 
 
-def test_attention_policies_with_eager_source_match_generate(tiny_llama_eager):
+def test_attention_policies_on_the_eager_kernel_match_generate(tiny_llama_eager):
     prompt = ids_of(tiny_llama_eager)
     expected = hf_greedy(tiny_llama_eager, prompt, 20)
-    for name in ["local_attention"] + [n for n in REGISTERED if get_policy(n).needs.attention]:
+    for name in ["local_attention"] + ATTENTION_POLICIES:
         engine = EvictionEngine(tiny_llama_eager, make_policy(name), EvictionConfig(budget=10_000, buffer=4))
-        assert engine.attention_source == "eager"
         assert engine.generate([prompt], 20).sequences[0].generated_ids == expected, name
 
 
@@ -256,7 +261,8 @@ def test_one_layer_logits_equal_a_from_scratch_forward_over_kept_tokens(family):
             allowed[0, head, query, visible] = True
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
         mask_arg = {"full_attention": mask, "sliding_attention": mask} if family == "gemma3" else mask
-        reference = lm.model(input_ids=sequence, position_ids=torch.arange(length)[None], attention_mask=mask_arg).logits
+        reference = lm.model(input_ids=sequence, position_ids=torch.arange(length)[None],
+                             attention_mask=mask_arg).logits
     assert len(set(map(tuple, kept.tolist()))) > 1  # per-head keep sets really differ
     torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-5, atol=1e-5)
 
@@ -288,7 +294,7 @@ def test_shared_keep_set_logits_equal_a_dynamic_cache_at_the_true_position(famil
     torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-5, atol=1e-5)
 
 
-# --- invariants on every policy ----------------------------------------------------------------------------------------
+# --- invariants on every policy --------------------------------------------------------------------------------------
 def _recording(policy: Policy, calls: list) -> Policy:
     base = type(policy)
 
@@ -305,17 +311,22 @@ def _recording(policy: Policy, calls: list) -> Policy:
 
 
 K, R = 40, 4
-# On a random-init model attention is near uniform, so RaaS never refreshes a key and degenerates to recency, which
-# keeps the same positions in every head although the policy is per-head.
-PER_HEAD_MAY_COINCIDE = {"raas"}
+
+
+@pytest.fixture(scope="module")
+def peaked_llama():
+    """The tiny Llama with larger initial weights: its attention is far from uniform. Near-uniform attention (the
+    default initialisation) ranks every head's keys alike for the exact attention policies -- by age for H2O's sums
+    since entry, by recency for RaaS -- so per-head keep sets could not be told from shared ones."""
+    return tiny_model("llama", seed=0, initializer_range=0.1)
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_engine_invariants_for_every_policy(name, tiny_llama):
+def test_engine_invariants_for_every_policy(name, peaked_llama):
     calls: list[tuple[int, torch.Tensor, bool]] = []
     policy = _recording(make_policy(name), calls)
-    engine = EvictionEngine(tiny_llama, policy, EvictionConfig(budget=K, buffer=R, block=8, recency=2))
-    prompt = ids_of(tiny_llama)
+    engine = EvictionEngine(peaked_llama, policy, EvictionConfig(budget=K, buffer=R, block=8, recency=2))
+    prompt = ids_of(peaked_llama)
     protect = engine.protect
     limit = {"prompt": len(prompt), "sinks": 4, "none": 0}[protect]
     differs = False
@@ -340,7 +351,7 @@ def test_engine_invariants_for_every_policy(name, tiny_llama):
                 continue
             if session.rounds[0] > rounds:
                 assert session.cache.slots == K + R  # kept-set size per head
-                assert sorted({layer for layer, _, _ in calls}) == list(range(tiny_llama.config.num_hidden_layers))
+                assert sorted({layer for layer, _, _ in calls}) == list(range(peaked_llama.config.num_hidden_layers))
                 for _, candidates, _ in calls:
                     assert candidates.numel() > 0
                     assert candidates.max() < nxt - R - 2  # the buffer and the window are never scored
@@ -352,8 +363,54 @@ def test_engine_invariants_for_every_policy(name, tiny_llama):
             assert session.feed is None and all(no_attention for _, _, no_attention in calls)
         else:
             assert session.feed.requests > 0
-    if not policy.scores_nothing and not engine.shared and name not in PER_HEAD_MAY_COINCIDE:
+    if not policy.scores_nothing and not engine.shared:
         assert differs, f"{name} is per-head but every head kept the same positions"
+
+
+class LocalLayerShared(Policy):
+    """Per-head key norms weighted by depth, one keep set per KV head for every layer (`shared_across_layers`)."""
+
+    name = "local_layer_shared"
+    default_protection = "sinks"
+    shared_across_layers = True
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(keys=True)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        return inputs.keys.float().norm(dim=-1) * (inputs.layer + 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_keep_sets_shared_across_layers_are_the_top_of_the_layer_mean(family):
+    """Every layer (sliding-window ones too) keeps the same positions per KV head, and at each round those are the
+    top candidates of the mean over layers of the scores the round computed."""
+    lm = tiny_model(family, seed=1)
+    engine = EvictionEngine(lm, LocalLayerShared(), EvictionConfig(budget=24, buffer=4, block=8, keep_log=True))
+    rounds: list[torch.Tensor] = []
+    with torch.inference_mode(), engine.session([ids_of(lm)], max_new_tokens=41) as session:
+        scorer = session.round_scores
+
+        def recorded(span, candidate, keep):
+            scores = scorer(span, candidate, keep)
+            positions = session.cache.layers[0].positions[:, :, span[0]:span[1]]
+            rounds.append((positions.clone(), candidate.expand_as(positions).clone(), torch.stack(scores).mean(0)))
+            return scores
+
+        session.round_scores = recorded
+        logits = session.prefill()
+        for _ in range(40):
+            logits = session.step(logits.argmax(-1))
+            layers = [store.positions for store in session.cache.layers]
+            assert all(torch.equal(positions, layers[0]) for positions in layers)
+        log = session.keep_log.for_sequence(0)
+        assert len(rounds) >= 3 and not torch.equal(layers[0][0, 0], layers[0][0, 1])  # per KV head
+    for index, (positions, candidate, mean) in enumerate(rounds):
+        for head in range(positions.shape[1]):
+            kept = torch.tensor(np.isin(positions[0, head].numpy(), kept_positions(log, index, 0, head)))
+            real = candidate[0, head]
+            assert mean[0, head][real & kept].min() >= mean[0, head][real & ~kept].max()
 
 
 @pytest.mark.parametrize("name", [n for n in REGISTERED if get_policy(n).layer_independent])
@@ -375,41 +432,160 @@ def test_layer_independent_observe_once_equals_observing_every_layer(name, tiny_
 
 def test_fa_compatible_policies_never_request_attention_even_on_the_eager_kernel(tiny_llama_eager):
     for name in ["local_random", "local_keynorm_frozen"] + [n for n in REGISTERED if get_policy(n).needs.fa_compatible]:
-        result = EvictionEngine(tiny_llama_eager, make_policy(name), EvictionConfig(budget=30, buffer=4, protect="sinks")
-                                ).generate([ids_of(tiny_llama_eager)], 40, ignore_eos=True)
-        assert result.stats["attention_requests"] == 0 and result.stats["attention_source"] is None, name
+        config = EvictionConfig(budget=30, buffer=4, protect="sinks")
+        result = EvictionEngine(tiny_llama_eager, make_policy(name), config).generate(
+            [ids_of(tiny_llama_eager)], 40, ignore_eos=True)
+        assert result.stats["attention_requests"] == 0 and result.stats["query_window"] is None, name
+        assert result.stats["attention_s"] == 0, name  # not even recomputed
 
 
-# --- attention sources ---------------------------------------------------------------------------------------------------
-def test_window_recompute_equals_eager_weights_before_any_eviction(tiny_llama_eager):
-    """At the first round nothing has been evicted yet, so recomputing the last queries' attention over the cache must
-    reproduce the weights the eager kernel returned for them."""
-    first: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {"eager": {}, "window": {}}
-    prompt = ids_of(tiny_llama_eager)
-    for source in ("eager", "window"):
-
-        class Grab(LocalAttention):
-            def score(self, inputs):
-                first[source].setdefault(inputs.layer, (inputs.attention.clone(), inputs.query_positions.clone()))
-                return super().score(inputs)
-
-        config = EvictionConfig(budget=len(prompt) + 8, buffer=4, protect="none", attention_source=source)
-        engine = EvictionEngine(tiny_llama_eager, Grab(), config)
-        assert engine.attention_source == source
-        engine.generate([prompt], 20, ignore_eos=True)
-    assert first["eager"].keys() == first["window"].keys() == set(range(4))
-    for layer in range(4):
-        (eager, eager_pos), (window, window_pos) = first["eager"][layer], first["window"][layer]
-        assert eager.shape[-2] == 3 and eager.sum() > 0  # queries_window = 3, real probabilities
-        assert torch.equal(eager_pos, window_pos)
-        torch.testing.assert_close(eager, window, rtol=1e-5, atol=1e-6)
+# --- attention: exact under every kernel ---------------------------------------------------------------------------
+REFRESH = 1.0  # RaaS's refresh threshold, in uniform shares, asked by `RecordAttention`
 
 
-def test_eager_source_refused_on_sdpa(tiny_llama):
-    with pytest.raises(UsageError, match="eager"):
-        EvictionEngine(tiny_llama, LocalAttention(), EvictionConfig(attention_source="eager"))
-    engine = EvictionEngine(tiny_llama, get_policy("h2o"), EvictionConfig())
-    assert engine.attention_source == "window" and engine.query_window == EvictionConfig().buffer
+class RecordAttention(Policy):
+    """Hands every round's `ScoreInputs` to `check` and keeps a copy of its attention and refresh timestamps; its
+    per-head selection depends on positions only, so that runs on different kernels evict exactly the same slots."""
+
+    name = "record_attention"
+    default_protection = "sinks"
+
+    def __init__(self, window: int, check=None) -> None:
+        self.window = window
+        self.check = check
+        self.records: list[tuple[torch.Tensor, ...]] = []
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(attention=True, queries_window=self.window, refresh_threshold=REFRESH)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        if self.check is not None:
+            self.check(inputs)
+        self.records.append((inputs.positions.clone(), inputs.attention.clone(), inputs.query_positions.clone(),
+                             inputs.refreshed.clone()))
+        head = torch.arange(inputs.positions.shape[1])[None, :, None]
+        return ((inputs.positions * (head + 3)) % 11).float()
+
+
+class EagerWeights:
+    """An independent account of what every query attended to: the eager kernel's own weights, read by a forward hook
+    on each attention module (over exactly the slots resident at that forward), GQA-averaged and filed by absolute
+    position -- the sum since entry of every position, every query's row, and RaaS's refresh timestamps (the newest
+    query that gave a position more than `REFRESH` / the number of keys it saw)."""
+
+    def __init__(self, window: int, n_layers: int, n_kv: int, length: int) -> None:
+        self.window = window
+        self.session = None  # set by `_forced_run`
+        self.total = torch.zeros(n_layers, n_kv, length)
+        self.stamp = torch.arange(length, dtype=torch.float32).expand(n_layers, n_kv, length).clone()
+        self.row: dict[tuple[int, int], torch.Tensor] = {}  # (layer, query position) -> [kv, length]
+        self.n_kv = n_kv
+        self.checked = 0
+
+    def hook(self, layer: int):
+        def record(module, args, output):
+            weights = group_mean(output[1].float(), self.n_kv)[0]  # [kv, Q, slots]
+            store = self.session.cache.layers[layer]
+            positions = store.positions[0].long()  # [kv, slots]
+            for index, query in enumerate(self.session.pending[0].tolist()):
+                row = torch.zeros_like(self.total[layer]).scatter_(1, positions.clamp_min(0), weights[:, index])
+                self.total[layer] += row
+                self.row[layer, query] = row
+                if query < 0:
+                    continue
+                seen = (positions >= 0) & (positions <= query)
+                if store.sliding_window:
+                    seen &= query - positions < store.sliding_window
+                refreshed = (row > REFRESH / seen.sum(-1, keepdim=True)) & (row > 0)
+                self.stamp[layer] = torch.where(refreshed, torch.maximum(self.stamp[layer], torch.tensor(query)),
+                                                self.stamp[layer])
+
+        return record
+
+    def check(self, inputs: ScoreInputs) -> None:
+        positions = inputs.positions[0].long()  # [kv, candidates]
+        real = inputs.candidate_mask[0]
+        if self.window == 0:
+            expected = self.total[inputs.layer].gather(1, positions)[:, None]  # [kv, 1, candidates]
+        else:
+            rows = [self.row[inputs.layer, query] for query in inputs.query_positions[0].tolist()]
+            expected = torch.stack([row.gather(1, positions) for row in rows], dim=1)  # [kv, queries, candidates]
+        got = inputs.attention[0]
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got.masked_fill(~real[:, None], 0), expected.masked_fill(~real[:, None], 0),
+                                   rtol=1e-5, atol=1e-6)
+        stamps = self.stamp[inputs.layer].gather(1, positions)  # [kv, candidates]
+        assert torch.equal(inputs.refreshed[0][real], stamps[real])
+        self.checked += 1
+
+
+def _forced_run(lm, policy, prompt, tokens, config, observer=None):
+    """A session fed `tokens` one step at a time (the same tokens on every kernel); returns the session."""
+    engine = EvictionEngine(lm, policy, config)
+    with torch.inference_mode(), engine.session([prompt], max_new_tokens=len(tokens) + 1) as session:
+        handles = []
+        if observer is not None:
+            observer.session = session
+            handles = [block.self_attn.register_forward_hook(observer.hook(layer))
+                       for layer, block in enumerate(decoder_layers(lm.model))]
+        session.prefill()
+        for token in tokens:
+            session.step(torch.tensor([token]))
+        for handle in handles:
+            handle.remove()
+    return session
+
+
+FORCED = [int(t) for t in torch.randint(5, 200, (48,), generator=torch.Generator().manual_seed(5))]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_attention_feed_equals_the_eager_kernels_weights_after_evictions(family, window):
+    """Rounds during the block prefill and the decode evict per head; at every round the feed must hand the policy
+    exactly what the queries saw (the eager kernel's weights, filed independently): since entry, each slot's sum over
+    every query since it entered; with a window, the rows of the last queries, 0 where a query never saw a slot. On
+    SDPA the feed recomputes the same numbers. Tiny Gemma3 slides over 16 tokens, so later queries miss old slots."""
+    eager = tiny_model(family, seed=1, attn_implementation="eager")
+    prompt = ids_of(eager)
+    config = EvictionConfig(budget=20, buffer=4, block=8)
+    n_layers, n_kv = eager.config.num_hidden_layers, eager.config.num_key_value_heads
+    observer = EagerWeights(window, n_layers, n_kv, len(prompt) + len(FORCED) + 1)
+    session = _forced_run(eager, RecordAttention(window, observer.check), prompt, FORCED, config, observer)
+    assert session.rounds[0] >= 5 and observer.checked == len(session.policy.records)
+    assert session.cache.layers[0].positions[0].unique(dim=0).shape[0] > 1  # heads kept different slots
+    on_sdpa = _forced_run(tiny_model(family, seed=1), RecordAttention(window), prompt, FORCED, config).policy.records
+    assert len(on_sdpa) == len(session.policy.records)
+    refreshed_any = False
+    for (positions, attention, queries, refreshed), (sdpa_positions, sdpa_attention, sdpa_queries, sdpa_refreshed) \
+            in zip(session.policy.records, on_sdpa):
+        assert torch.equal(positions, sdpa_positions) and torch.equal(queries, sdpa_queries)
+        torch.testing.assert_close(sdpa_attention, attention, rtol=1e-5, atol=1e-6)
+        assert torch.equal(sdpa_refreshed, refreshed)
+        refreshed_any |= bool((refreshed > positions).any())
+    assert refreshed_any  # some token was refreshed after its entry, so the timestamps were really tested
+
+
+@pytest.mark.parametrize("name", ATTENTION_POLICIES)
+def test_eager_and_sdpa_keep_the_same_slots(name, peaked_llama):
+    """Every attention-requiring policy, fed the same tokens, evicts the same (round, layer, head, position)s whether
+    the model runs the eager kernel or SDPA."""
+    eager = tiny_model("llama", seed=0, initializer_range=0.1, attn_implementation="eager")
+    prompt = ids_of(peaked_llama, "Let x = 7")
+    config = EvictionConfig(budget=24, buffer=4, block=8, keep_log=True, seed=3)
+    logs = [_forced_run(lm, get_policy(name), prompt, FORCED, config).keep_log.for_sequence(0)
+            for lm in (eager, peaked_llama)]
+    assert len(logs[0]["round_step"]) >= 3
+    for field_name in ("round", "layer", "head", "position", "round_step"):
+        assert np.array_equal(logs[0][field_name], logs[1][field_name]), field_name
+
+
+def test_registered_attention_policies_and_their_query_windows(tiny_llama):
+    assert {"h2o", "tova", "snapkv", "r_kv", "vase", "fastcaote", "raas", "longflow"} <= set(ATTENTION_POLICIES)
+    # "every query since entry" is what SDPA gets too: no fallback to a window of recent queries
+    for name in ("h2o", "raas"):
+        assert EvictionEngine(tiny_llama, get_policy(name), EvictionConfig()).query_window == 0
 
 
 # --- block prefill ---------------------------------------------------------------------------------------------------
@@ -424,14 +600,15 @@ def test_block_at_least_prompt_is_ordinary_prefill_and_small_blocks_bound_the_ca
         engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=10_000, block=16))
         with engine.session([prompt]) as session:
             torch.testing.assert_close(session.prefill()[0], plain, rtol=1e-5, atol=1e-5)
-        engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=32, buffer=4, block=16, protect="none"))
+        config = EvictionConfig(budget=32, buffer=4, block=16, protect="none")
+        engine = EvictionEngine(tiny_llama, LocalRandom(), config)
         with engine.session([prompt]) as session:
             session.prefill()
             assert session.peak_slots <= 32 + 4 + 16
             assert session.cache.slots == 32 + 4 and session.rounds[0] >= len(prompt) // 16 - 2
 
 
-# --- batching ----------------------------------------------------------------------------------------------------------
+# --- batching --------------------------------------------------------------------------------------------------------
 def test_batched_left_padded_decoding_matches_single_sequences(tiny):
     prompts = [ids_of(tiny, TEXT), ids_of(tiny, "Short one"), ids_of(tiny, TEXT + " with a much longer tail here")]
     config = EvictionConfig(budget=10_000, buffer=4, block=8)
@@ -463,16 +640,49 @@ def test_frozen_scores_of_a_left_padded_sequence_equal_its_scores_alone(name, ti
         assert np.allclose([alone[p] for p in alone], [together[p] for p in alone], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_of_a_left_padded_sequence_equals_its_attention_alone(window, tiny_llama):
+    """Padding slots and padding queries of a batch neither receive nor give attention: per position, the feed's
+    since-entry sums (and last query rows) and refresh timestamps of each sequence are what it accumulates alone."""
+    short, long = ids_of(tiny_llama), ids_of(tiny_llama, TEXT * 3)
+    engine = EvictionEngine(tiny_llama, RecordAttention(window), EvictionConfig(budget=10_000, block=16))
+    decode = {id(short): [5, 7, 13, 17], id(long): [9, 11, 3, 4]}
+    name = AttentionFeed.SUM if window == 0 else AttentionFeed.ROWS
+
+    def attention_by_position(prompts: list[list[int]], name: str) -> list[dict[int, np.ndarray]]:
+        tokens = torch.tensor([decode[id(prompt)] for prompt in prompts]).T  # [step, batch]
+        with torch.inference_mode(), engine.session(prompts, max_new_tokens=4) as session:
+            session.prefill()
+            for step in tokens:
+                session.step(step)
+            store = session.cache.layers[2]
+            values = store.slot_tensor(name)  # [b, kv, slots] or [b, kv, ring rows, slots]
+            if name == AttentionFeed.ROWS:
+                values = values[:, :, session.feed.ring.order()]  # oldest query first, as policies read them
+            return [{int(p): values[b, :, ..., slot].numpy() for slot, p in enumerate(store.positions[b, 0]) if p >= 0}
+                    for b in range(len(prompts))]
+
+    for kind in (name, AttentionFeed.REFRESHED):
+        batched = attention_by_position([short, long], kind)
+        alone = [attention_by_position([short], kind)[0], attention_by_position([long], kind)[0]]
+        for one, together in zip(alone, batched):
+            assert one.keys() == together.keys()
+            assert sum(value.sum() for value in one.values()) > 0
+            for position, value in one.items():
+                np.testing.assert_allclose(together[position], value, rtol=1e-5, atol=1e-6)
+
+
 def test_batched_eviction_keeps_per_sequence_budgets(tiny_llama):
     prompts = [ids_of(tiny_llama, "Hi"), ids_of(tiny_llama, TEXT)]
-    engine = EvictionEngine(tiny_llama, LocalRandom(), EvictionConfig(budget=24, buffer=4, trigger="step", protect="sinks"))
+    config = EvictionConfig(budget=24, buffer=4, trigger="step", protect="sinks")
+    engine = EvictionEngine(tiny_llama, LocalRandom(), config)
     result = engine.generate(prompts, 40, budgets=[24, 30], ignore_eos=True)
     for seq, budget in zip(result.sequences, (24, 30)):
         assert max(seq.cache_sizes) == budget + 4 + 1  # step trigger: K + r, plus the token being attended
         assert seq.rounds > 0
 
 
-# --- keep-logs, determinism, memory ------------------------------------------------------------------------------------
+# --- keep-logs, determinism, memory ----------------------------------------------------------------------------------
 def test_keep_log_reconstructs_the_cache_and_runs_are_seeded(tiny_llama):
     prompt = ids_of(tiny_llama)
     config = EvictionConfig(budget=24, buffer=4, protect="sinks", keep_log=True, seed=3)
@@ -521,7 +731,7 @@ def test_bad_setups_are_usage_errors(tiny_llama):
         EvictionEngine(tiny_llama, "randon")
 
 
-# --- real model ----------------------------------------------------------------------------------------------------------
+# --- real model ------------------------------------------------------------------------------------------------------
 @pytest.mark.realmodel
 def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smollm2):
     from tasks.datasets import Problem
@@ -543,6 +753,26 @@ def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smo
         reference = smollm2.model(input_ids=tokens[-1].view(1, 1), position_ids=torch.tensor([[position]]),
                                   cache=cache, use_cache=True).logits
     torch.testing.assert_close(logits[0], reference[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("name", ["h2o", "raas", "tova"])
+def test_smollm2_eager_and_sdpa_generate_the_same_tokens_while_evicting(smollm2, name):
+    """fp32 on the CPU: the attention the policy reads is recomputed the same way under both kernels, so the kernels'
+    rounding differences must not change a single kept slot or token."""
+    from tasks.datasets import Problem
+    from tasks.prompts import build_prompt_ids
+
+    problem = Problem("t", "What is 12 times 13? Think step by step.", "156", "gsm8k")
+    prompt = build_prompt_ids(smollm2.tokenizer, problem)
+    config = EvictionConfig(budget=len(prompt) + 8, buffer=8, keep_log=True)
+    runs = {}
+    for kernel in ("eager", "sdpa"):
+        with using_kernel(smollm2.model, kernel):
+            runs[kernel] = EvictionEngine(smollm2, name, config).generate([prompt], 48, ignore_eos=True).sequences[0]
+    assert runs["eager"].rounds >= 3 and runs["sdpa"].rounds == runs["eager"].rounds
+    assert runs["sdpa"].generated_ids == runs["eager"].generated_ids
+    assert np.array_equal(runs["sdpa"].keep_log["position"], runs["eager"].keep_log["position"])
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from evictor.calibration import CalibratedPolicy
 from evictor.policy import POLICIES, Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
+from probes.signals.attention import raas_timestamps
 
 B, H, D, D_MODEL, T, PROMPT = 2, 3, 8, 16, 48, 32
 FIRST, BUFFER = 4, 8  # candidates are positions FIRST .. T-BUFFER-1 (sinks before, the recent buffer after)
@@ -68,14 +70,19 @@ def score_inputs(policy: Policy, stream: Stream, seed: int = 0) -> ScoreInputs:
     def gather(x: torch.Tensor) -> torch.Tensor:
         return x.gather(2, positions[..., None].expand(-1, -1, -1, x.shape[-1]))
 
-    attention = query_positions = None
+    attention = query_positions = refreshed = None
     if needs.attention:
         queries = needs.queries_window or T
         query_positions = torch.arange(T - queries, T).expand(B, -1)
         logits = torch.randn(B, H, queries, T, generator=torch.Generator().manual_seed(seed + 1))
         causal = torch.arange(T)[None, :] > query_positions[0][:, None]  # [queries, T]
-        probs = logits.masked_fill(causal, float("-inf")).softmax(-1).to(stream.keys.dtype)
+        # A query before the first key (window longer than the stream) sees nothing: a zero row, as the engine gives.
+        probs = logits.masked_fill(causal, float("-inf")).softmax(-1).nan_to_num(0.0).to(stream.keys.dtype)
         attention = probs.gather(3, positions[:, :, None, :].expand(-1, -1, queries, -1))
+        if needs.refresh_threshold is not None:  # what the feed keeps: query p saw the p + 1 keys 0..p
+            share = needs.refresh_threshold / (query_positions[:, None, :, None] + 1).clamp_min(1)
+            stamps = raas_timestamps(probs, query_positions[:, None, :], torch.arange(T).expand(B, H, T), share)
+            refreshed = stamps.gather(2, positions)
     return ScoreInputs(
         layer=0,
         step=T - PROMPT,
@@ -88,6 +95,8 @@ def score_inputs(policy: Policy, stream: Stream, seed: int = 0) -> ScoreInputs:
         cache_mask=cache_mask if needs.cache else None,
         attention=attention,
         query_positions=query_positions,
+        refreshed=refreshed,
+        next_positions=torch.full((B,), T),
         frozen=None if frozen_all is None else frozen_all.gather(2, positions),
         state=state,
         keep=KEEP,
@@ -95,18 +104,55 @@ def score_inputs(policy: Policy, stream: Stream, seed: int = 0) -> ScoreInputs:
     )
 
 
+def synthetic_calibration(method: str, directory) -> str:
+    """A calibration file sized to the synthetic stream (DEPTH layers, H KV heads of dimension D, two query heads per
+    KV head), in the format `python -m evictor.calibrate` writes; the values only need to be well-formed."""
+    gen = torch.Generator().manual_seed(7)
+    record = {"kind": f"{method}_calibration", "version": 1, "model": "synthetic", "n_layers": DEPTH, "traces": [],
+              "tokens": 0}
+    if method == "triattention":
+        q_mean = torch.randn(DEPTH, 2 * H, D // 2, 2, generator=gen)
+        record.update({
+            "n_heads": 2 * H, "n_kv_heads": H, "head_dim": D,
+            "rope": {"omega": [[1.0 / 10_000 ** (2 * f / D) for f in range(D // 2)]] * DEPTH,
+                     "scale": [[1.0] * (D // 2)] * DEPTH},
+            "q_mean_real": q_mean[..., 0].tolist(), "q_mean_imag": q_mean[..., 1].tolist(),
+            "q_abs_mean": (q_mean.norm(dim=-1) + 0.5).tolist(),
+        })
+    else:
+        record.update({"tau": 128, "band_order": ["R", "E", "T"], "thresholds": [[0.4, 0.6]] * DEPTH})
+    path = directory / f"{method}.json"
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+CALIBRATIONS: dict[str, str] = {}  # policy -> its synthetic calibration file, written once per module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def calibrations(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("calibrations")
+    CALIBRATIONS.update({name: synthetic_calibration(cls.method, directory)
+                         for name, cls in POLICIES.items() if issubclass(cls, CalibratedPolicy)})
+
+
+def build(name: str) -> Policy:
+    params = {"calibration": CALIBRATIONS[name]} if name in CALIBRATIONS else {}
+    return get_policy(name, **params).for_depth(DEPTH)
+
+
 def run(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[Policy, ScoreInputs, torch.Tensor]:
-    policy = get_policy(name).for_depth(DEPTH)
+    policy = build(name)
     inputs = score_inputs(policy, make_stream(policy.needs, dtype=dtype), seed)
     return policy, inputs, policy.score(inputs)
 
 
-def test_registry_holds_the_25_policies():
+def test_registry_holds_the_27_policies():
     assert sorted(policy_names()) == sorted([
         "full", "streaming_llm", "recency", "random", "random_unprotected", "random_shared",
         "keynorm", "keydiff", "manifoldkv", "valuediff", "valuediff_dir", "valuediff_norm",
         "kv_key", "kv_val", "lag_kv", "epikv_raw", "epikv",
-        "h2o", "tova", "snapkv", "r_kv", "vase", "fastcaote", "raas", "longflow",
+        "h2o", "tova", "snapkv", "r_kv", "vase", "fastcaote", "raas", "longflow", "triattention", "thinkv",
     ])
 
 
@@ -157,8 +203,8 @@ def test_fa_compatibility_is_exactly_not_reading_attention(name):
     else:
         stream = make_stream(policy.needs)
         inputs = score_inputs(policy, stream)
-        inputs.attention = None
-        with pytest.raises(ValueError, match="ScoreInputs.attention"):
+        inputs.attention = inputs.refreshed = None  # everything the attention feed delivers
+        with pytest.raises(ValueError, match=r"ScoreInputs\.(attention|refreshed)"):
             policy.score(inputs)
 
 
@@ -166,7 +212,7 @@ def test_fa_compatibility_is_exactly_not_reading_attention(name):
 def test_scores_depend_on_what_the_policy_reads(name):
     """Changing the generator seed and the K/V/hidden/attention data changes the scores, unless the policy reads
     only positions (then nothing may change)."""
-    policy = get_policy(name).for_depth(DEPTH)
+    policy = build(name)
     first = policy.score(score_inputs(policy, make_stream(policy.needs, seed=0), seed=0))
     second = policy.score(score_inputs(policy, make_stream(policy.needs, seed=5), seed=5))
     position_only = name in ("recency", "streaming_llm")

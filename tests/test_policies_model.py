@@ -7,7 +7,7 @@ import torch
 
 from evictor.policy import ObserveInputs, ScoreInputs, get_policy
 from models.hooks import capture, hook_name
-from probes.signals.hidden import RollingStats, hidden_diffs
+from probes.signals.hidden import RollingStats, band_score, hidden_diffs
 from probes.signals.kv import head_dim_variance, lag_normalised_variance
 
 PROMPT = "Let x = 3. Then 2x + 1 = "
@@ -52,10 +52,9 @@ def check_streaming_matches_offline(loaded):
 
     positive, negative = epikv.bands
     g = {layer: hidden_diffs(cap[hook_name(layer, "hook_resid_post")]) for layer in layers}
-    z = {layer: RollingStats(64).zscore(g[layer]) for layer in layers}
-    mean = {layer: RollingStats(64).add(g[layer])[0] for layer in layers}
-    expected_z = torch.nan_to_num(z[positive[0]] - z[negative[0]])[:, None]
-    expected_raw = torch.nan_to_num(mean[positive[0]] - mean[negative[0]])[:, None]
+    bands = [g[layer] for layer in positive], [g[layer] for layer in negative]
+    expected_z = torch.nan_to_num(band_score(*bands, smoothing="z", window=64))[:, None]
+    expected_raw = torch.nan_to_num(band_score(*bands, smoothing="mean", window=64))[:, None]
     torch.testing.assert_close(streamed["epikv"], expected_z, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(streamed["epikv_raw"], expected_raw, rtol=1e-4, atol=1e-4)
     assert streamed["epikv"].abs().sum() > 0  # the signal is not trivially zero on a real model

@@ -7,3 +7,5 @@ from evictor.policies import baselines  # noqa: F401, I001  (each module registe
 from evictor.policies import geometry  # noqa: F401
 from evictor.policies import epikv  # noqa: F401
 from evictor.policies import attention  # noqa: F401
+from evictor.policies import triattention  # noqa: F401
+from evictor.policies import thinkv  # noqa: F401

@@ -1,5 +1,5 @@
-"""List the registered eviction policies: what each reads, FlashAttention compatibility, head sharing, default
-protection and citation.
+"""List the registered eviction policies: what each reads, FlashAttention compatibility, head and layer sharing,
+default protection and citation.
 
     python -m evictor.policies                 # one table row per policy
     python -m evictor.policies --name epikv    # one policy in full (parameters, deviations)
@@ -12,9 +12,9 @@ import argparse
 import json
 from typing import Any
 
-from evictor.policy import POLICIES, Policy, get_policy, policy_names
 from core.cli import main_guard
 from core.errors import unknown_choice
+from evictor.policy import POLICIES, Policy, get_policy, policy_names
 
 
 def reads(policy: Policy) -> str:
@@ -24,8 +24,11 @@ def reads(policy: Policy) -> str:
     if needs.cache and parts:
         parts[-1] += " + cache mean"
     if needs.hidden_layers:
-        parts.append("hidden L" + ",".join(str(layer) for layer in needs.hidden_layers))
-    if needs.attention:
+        hook = needs.hidden_hook.removeprefix("hook_")
+        parts.append(f"hidden {hook} L" + ",".join(str(layer) for layer in needs.hidden_layers))
+    if needs.refresh_threshold is not None:
+        parts.append(f"attention refresh timestamps (> {needs.refresh_threshold:g}/n, every query)")
+    elif needs.attention:
         window = {0: "all queries since entry", 1: "last query"}.get(needs.queries_window)
         window = window or f"last {needs.queries_window} queries"
         parts.append(f"attention ({window})")
@@ -39,6 +42,7 @@ def describe(name: str) -> dict[str, Any]:
         "reads": reads(policy),
         "fa_compatible": policy.needs.fa_compatible,
         "heads": "shared" if policy.shared_across_heads else "per-head",
+        "layers": "shared" if policy.shared_across_layers else "per-layer",
         "protection": policy.default_protection,
         "frozen_at_generation": type(policy).observe is not Policy.observe,
         "evicts": not policy.scores_nothing,
@@ -49,7 +53,7 @@ def describe(name: str) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    columns = [("name", "policy"), ("reads", "reads"), ("fa", "FA"), ("heads", "heads"),
+    columns = [("name", "policy"), ("reads", "reads"), ("fa", "FA"), ("heads", "heads"), ("layers", "layers"),
                ("protection", "protect"), ("citation", "citation")]
     cells = [{**row, "fa": "yes" if row["fa_compatible"] else "no"} for row in rows]
     widths = {key: max(len(title), *(len(str(cell[key])) for cell in cells)) for key, title in columns[:-1]}
@@ -64,7 +68,8 @@ def _run(argv: list[str] | None = None) -> int:
         prog="python -m evictor.policies",
         description="List the registered KV-cache eviction policies. Columns: what the policy reads (keys, values, "
         "the resident cache's mean, hidden-state layers, attention), FA = FlashAttention-compatible (never reads "
-        "attention), heads = one keep set per KV head or shared by all heads, protect = default protection "
+        "attention), heads = one keep set per KV head or shared by all heads, layers = one keep set per layer or "
+        "shared by all layers, protect = default protection "
         "(prompt / sinks / none), citation = paper and equation.",
     )
     parser.add_argument("--name", help="show one policy in full: parameters, citation and deviations from the paper")

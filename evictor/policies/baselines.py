@@ -50,7 +50,11 @@ class StreamingLLM(Recency):
     """
 
     citation = "Xiao et al. 2024, Efficient streaming language models with attention sinks (Random Attention §3.1)"
-    deviations = "The recent window is the budget K plus the engine's unscored buffer, refreshed each eviction round."
+    deviations = (
+        "4 sinks (the original's start_size, the engine's n_sinks). The recent window is the budget K plus the "
+        "engine's unscored buffer, refreshed each eviction round; tokens keep their true positions (the original "
+        "re-numbers positions inside the cache)."
+    )
     default_protection = "sinks"
 
 
@@ -61,6 +65,10 @@ class RandomAttention(Policy):
     independently per KV head and redrawn at every eviction (Random Attention notes §3.2)."""
 
     citation = "Random Attention (arXiv 2609.03430) §3.2: s_i ~ Uniform(0,1) per KV head, prompt s_i = +inf"
+    deviations = (
+        "Follows the released engine (SalesforceAIResearch/Random-Attention, mode random_pp): a fresh torch.rand per "
+        "KV head at every round, the prompt forced in. Draws come from the run's seeded generator, on (0, 1]."
+    )
     default_protection = "prompt"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:

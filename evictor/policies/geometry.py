@@ -8,7 +8,7 @@ import torch
 
 from evictor.policies._inputs import require
 from evictor.policy import Needs, Policy, ScoreInputs, register_policy
-from probes.signals.kv import cosine_distance_to_mean, distance_to_mean, vector_norm
+from probes.signals.kv import cosine_distance_to_mean, cosine_to_mean, distance_to_mean, vector_norm
 
 VALUEDIFF = "Park, Choi, Lee, ValueDiff: value-geometric KV cache eviction for sink-suppressed LLMs"
 NO_PROMPT_RULE = (
@@ -23,7 +23,7 @@ class KeyNorm(Policy):
     """KeyNorm: keep the keys with the LOWEST L2 norm (Devoto et al. 2024), score = -||k_j||."""
 
     citation = "Devoto et al. 2024, A simple and effective L2 norm-based strategy for KV cache compression"
-    deviations = NO_PROMPT_RULE
+    deviations = "Post-RoPE keys: RoPE rotates pairs of channels, so the norm is the pre-RoPE one. " + NO_PROMPT_RULE
     default_protection = "none"
 
     @property
@@ -38,12 +38,14 @@ class KeyNorm(Policy):
 @register_policy("keydiff")
 @dataclass
 class KeyDiff(Policy):
-    """KeyDiff: keep the keys with the largest cosine distance from the mean key of the resident cache."""
+    """KeyDiff: keep the keys least similar to the anchor, the mean of the L2-normalised keys of the resident cache:
+    ``s_j = -cos(k_j, mean_i k_i / ||k_i||)``."""
 
-    citation = "Park et al. 2025, KeyDiff (NeurIPS); ValueDiff §5: s_j = 1 - cos(k_j, mean k)"
+    citation = "Park et al. 2025, KeyDiff (NeurIPS), §3: s_j = -cos(k_j, anchor), anchor = mean of normalised keys"
     deviations = (
-        "The anchor is the arithmetic mean of the resident (post-RoPE) keys, as ValueDiff §5 describes KeyDiff. "
-        + NO_PROMPT_RULE
+        "Follows the authors' scorer as contributed to NVIDIA/kvpress (KeyDiffPress.score): normalise, average, "
+        "negative cosine; the anchor runs over every resident key (protected and buffered included), post-RoPE. "
+        "ValueDiff §5 describes it loosely as the cosine distance to the mean key. " + NO_PROMPT_RULE
     )
     default_protection = "none"
 
@@ -53,7 +55,7 @@ class KeyDiff(Policy):
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         keys, cache, mask = require(self, inputs, "keys", "cache_keys", "cache_mask")
-        return cosine_distance_to_mean(keys, cache, mask)
+        return -cosine_to_mean(keys, cache, mask, unit_mean=True)
 
 
 @register_policy("manifoldkv")

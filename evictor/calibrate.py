@@ -1,0 +1,109 @@
+"""Write the per-model calibration file a policy needs: ``python -m evictor.calibrate METHOD --traces T --out FILE``.
+
+    python -m evictor.calibrate triattention --model qwen3-4b --traces dense/generations.jsonl --out tri.json
+    python -m evictor.calibrate thinkv --traces dense/generations.jsonl --out thinkv.json --tau 128
+
+Methods: ``triattention`` (query centres and RoPE frequencies, `evictor.calibration.triattention`) and ``thinkv``
+(attention-sparsity thresholds from `attn.hook_pattern`, `evictor.calibration.thinkv`). The traces
+are dense trace records (``tasks.run`` or ``evictor.run --policy full``), each run through the model once,
+teacher-forced. The file is written only when the calibration succeeds; the resolved configuration is saved beside
+it as ``<stem>.config.json``. Pass the file to the policy as ``calibration`` (``evictor.run --policy-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, save_config, write_json
+from core.errors import UsageError
+from evictor.calibration import dense_traces
+from evictor.calibration.thinkv import DEFAULT_BAND_ORDER, DEFAULT_TAU, check_band_order
+
+METHODS = ("triattention", "thinkv")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python -m evictor.calibrate",
+                            description="Compute a policy's per-model calibration from a few dense traces and write it "
+                            "as one JSON file that the policy loads (its `calibration` parameter).")
+    methods = parser.add_subparsers(dest="method", required=True, metavar="METHOD",
+                                    help=f"what to calibrate: {', '.join(METHODS)}")
+    common = ArgumentParser(add_help=False)
+    common.add_argument("--traces", required=True,
+                        help="dense trace records (JSONL of tasks.run or evictor.run --policy full)")
+    common.add_argument("--out", required=True, help="calibration file to write (JSON)")
+    common.add_argument("--model", default=None,
+                        help="model to calibrate (registry name, HF directory, .gguf or hub id); default: the "
+                        "traces' model")
+    common.add_argument("--limit", type=positive_int, default=None, help="only the first N traces")
+    common.add_argument("--max-tokens", type=positive_int, default=None,
+                        help="cut each trace (prompt + generation) to its first N tokens (default: whole traces)")
+    add_device_arguments(common)
+    methods.add_parser("triattention", parents=[common],
+                       help="TriAttention: per query head, the mean pre-RoPE query and mean pair length; RoPE "
+                       "frequencies per layer")
+    thinkv = methods.add_parser("thinkv", parents=[common],
+                                help="ThinKV: per layer, the attention-sparsity thresholds of the R / E / T thoughts")
+    thinkv.add_argument("--tau", type=positive_int, default=DEFAULT_TAU,
+                        help=f"refresh window: tokens per classified block (default {DEFAULT_TAU}); the policy's "
+                        "tau must match")
+    thinkv.add_argument("--band-order", default=",".join(DEFAULT_BAND_ORDER),
+                        help="thought types of the low, middle and high sparsity band, a permutation of R,E,T "
+                        f"(default {','.join(DEFAULT_BAND_ORDER)})")
+    return parser
+
+
+def check_output(path: Path) -> None:
+    """Refuse an --out that cannot become a file, before any model is loaded."""
+    if path.is_dir():
+        raise UsageError(f"--out {str(path)!r} is a directory; give a file name")
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {str(path)!r}: cannot create files under {str(parent)!r}")
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out).expanduser()
+    check_output(out)
+    band_order = check_band_order(args.band_order.split(",")) if args.method == "thinkv" else None
+    traces = dense_traces(args.traces, args.limit)
+    models = {trace.model for trace in traces}
+    model_name = args.model or (models.pop() if len(models) == 1 else None)
+    if model_name is None:
+        raise UsageError(f"the traces come from several models ({', '.join(sorted(models))}); pass --model")
+
+    from tqdm import tqdm
+
+    from models.loading import load_model
+
+    lm = load_model(model_name, device=args.device, dtype=args.dtype)
+    progress = lambda items: tqdm(items, desc=f"calibrate {args.method}", unit="trace", file=sys.stderr)
+    if args.method == "triattention":
+        from evictor.calibration.triattention import calibrate_triattention
+
+        record = calibrate_triattention(lm, traces, max_tokens=args.max_tokens, progress=progress)
+    else:
+        from evictor.calibration.thinkv import calibrate_thinkv
+
+        record = calibrate_thinkv(lm, traces, tau=args.tau, band_order=band_order, max_tokens=args.max_tokens,
+                                  progress=progress)
+    record["source"] = {"traces": str(Path(args.traces).resolve()), "loaded_model": lm.describe()}
+    write_json(out, record)
+    save_config(out.parent, {"method": args.method, "traces": str(Path(args.traces).resolve()), "model": model_name,
+                             "limit": args.limit, "max_tokens": args.max_tokens, "device": args.device,
+                             "dtype": args.dtype, "tau": getattr(args, "tau", None),
+                             "band_order": None if band_order is None else list(band_order),
+                             "loaded_model": lm.describe()},
+                name=f"{out.stem}.config.json")
+    print(f"{args.method} calibration of {model_name} from {len(traces)} traces ({record['tokens']} tokens) -> {out}")
+    return 0
+
+
+main = main_guard(_run)
+
+if __name__ == "__main__":
+    raise SystemExit(main())
