@@ -25,6 +25,19 @@ Distance: ``N`` (or ``Nr``) eviction rounds = the shortest gap such that N round
 the candidates (older than the buffer and the recency window) before the value's first token is predicted; ``Nt``
 = N filler tokens. The schedule comes from simulating the engine's own `evictor.protocol.plan_round`, and every
 instance records the rounds that actually fired.
+
+Protocol: ``--protocol random_attention|epikv|valuediff|custom`` and the protocol flags (`evictor.protocol`) set the
+trigger, buffer, recency window, budget scope and protection; the probes teacher-force every token, so sampling does
+not apply. The resolved protocol is part of the run's identity and of every row, with the peak cache slots per head.
+
+Each probe is a `ProbeConfig` subclass and a function that runs it into a `core.rundir.RunDir` (the directory is
+claimed before the model loads, so a second run on it is refused at once) and returns a `ProbeResult` whose rows are
+`core.schemas.ProbeRow` records. The directory holds ``instances.jsonl`` (one record per instance, and per policy in
+the passcode test; resumable), ``summary.json`` / ``summary.csv`` (the rows) and ``config.json``.
+
+Backends (`core.backend`): the unit of work is one batch of instances (and, in the passcode test, one policy); with
+``--backend ray --workers N`` each worker loads the model once and the driver alone writes the records, in the order
+a serial run writes them.
 """
 
 from __future__ import annotations
@@ -32,35 +45,42 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import re
 import string
-import zlib
+import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from core.backend import BackendConfig, add_backend_arguments
+from core.cli import add_device_arguments, atomic_write, positive_int, write_json
+from core.errors import UsageError
+from core.records import read_jsonl
+from core.schemas import ProbeRow, as_json
 from evictor.protocol import (
-    ATTENTION_SOURCES,
-    DEFAULT_BLOCK,
-    TRIGGERS,
+    SAMPLING_FIELDS,
     EvictionConfig,
+    Protocol,
+    add_protocol_arguments,
     plan_round,
+    protocol_overrides,
+    resolve_protocol,
     sequence_budgets,
 )
-from core.cli import atomic_write, positive_int
-from core.errors import UsageError
-from models.loading import KERNELS
-from core.records import read_jsonl
+from evictor.run import csv_value
+from models.loading import KERNELS, load_model
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.prompts import uses_chat_template
 from validation.paired import bootstrap_means, percentile_interval
 from validation.stats import wilson_interval
+
+C = TypeVar("C", bound="ProbeConfig")
 
 STUB_TEXT = "Read the following working and answer the question at the end."
 VALUES = (1000, 10000)  # 4-digit values, drawn uniformly from [1000, 10000)
@@ -182,9 +202,26 @@ def base_layout(tokenizer, script: Script, stub: int, lead: int, box: int) -> La
 
 
 # --- the eviction schedule ---------------------------------------------------------------------------------------
-def eviction_rounds(prompt_len: int, end: int, budget: int, limit: int, config: EvictionConfig) -> list[int]:
+@dataclass(frozen=True)
+class Schedule:
+    """When one probe sequence evicts: the protocol, and the sequence's effective budget K, protection limit and
+    recency window as `evictor.protocol.sequence_budgets` resolves them (the engine uses the same)."""
+
+    config: EvictionConfig
+    budget: int
+    limit: int
+    recency: int
+
+    @classmethod
+    def of(cls, config: EvictionConfig, protect: str, prompt_len: int) -> Schedule:
+        resolved = sequence_budgets([int(config.budget)], [prompt_len], protect, config)
+        return cls(config, resolved.budgets[0], resolved.limits[0], resolved.recency[0])
+
+
+def eviction_rounds(prompt_len: int, end: int, schedule: Schedule) -> list[int]:
     """``next_pos`` at every eviction round of one sequence whose positions ``0..end-1`` are fed (prompt in
     prefill blocks, then one token per step), replaying `evictor.protocol.plan_round` on host-side counts."""
+    config = schedule.config
     fired, n = [], 0
     feeds = [(min(s + config.block, prompt_len), True) for s in range(0, prompt_len, config.block)]
     feeds += [(pos, False) for pos in range(prompt_len + 1, end + 1)]
@@ -192,35 +229,38 @@ def eviction_rounds(prompt_len: int, end: int, budget: int, limit: int, config: 
     for next_pos, boundary in feeds:
         n += next_pos - produced
         produced = next_pos
-        plan = plan_round(slots=n, n_valid=[n], next_pos=[next_pos], limits=[limit], budgets=[budget],
-                          buffer=config.buffer, recency=config.recency, trigger=config.trigger, boundary=boundary)
+        plan = plan_round(slots=n, n_valid=[n], next_pos=[next_pos], limits=[schedule.limit],
+                          budgets=[schedule.budget], buffer=config.buffer, recency=[schedule.recency],
+                          trigger=config.trigger, boundary=boundary)
         if plan is not None:
             n = plan.n_keep[0]
             fired.append(next_pos)
     return fired
 
 
-def fact_rounds(rounds: Sequence[int], layout: Layout, config: EvictionConfig) -> int:
+def fact_rounds(rounds: Sequence[int], layout: Layout, schedule: Schedule) -> int:
     """Rounds that had the whole fact box among their candidates and fired before the value's first token was
     predicted (a round after the forward of position p has ``next_pos = p + 1``; the value's first token is
     predicted by the forward of position ``value_start - 1``)."""
-    return sum(1 for next_pos in rounds
-               if layout.box_end <= next_pos - config.buffer - config.recency and next_pos < layout.value_start)
+    unscored = schedule.config.buffer + schedule.recency
+    return sum(1 for next_pos in rounds if layout.box_end <= next_pos - unscored and next_pos < layout.value_start)
 
 
-def resolve_gap(layout: Layout, distance: Distance, budget: int, limit: int, config: EvictionConfig) -> Layout:
+def resolve_gap(layout: Layout, distance: Distance, schedule: Schedule) -> Layout:
     """The layout with its gap: `distance` tokens, or the shortest gap giving `distance` fact rounds."""
     if distance.unit == "tokens":
         return replace(layout, gap=distance.amount)
 
     def count(gap: int) -> int:
         trial = replace(layout, gap=gap)
-        return fact_rounds(eviction_rounds(layout.stub, trial.value_start, budget, limit, config), trial, config)
+        return fact_rounds(eviction_rounds(layout.stub, trial.value_start, schedule), trial, schedule)
 
-    high = budget + 2 * config.buffer + (distance.amount + 2) * (config.buffer + config.recency + 1) + layout.box
+    config = schedule.config
+    high = (schedule.budget + 2 * config.buffer + (distance.amount + 2) * (config.buffer + schedule.recency + 1)
+            + layout.box)
     if count(high) < distance.amount:
         raise UsageError(f"--distance {distance}: the protocol fires fewer than {distance.amount} rounds within "
-                         f"{high} tokens (budget {budget}, buffer {config.buffer}, trigger {config.trigger})")
+                         f"{high} tokens (budget {schedule.budget}, buffer {config.buffer}, trigger {config.trigger})")
     low = 0
     while low < high:  # the count never decreases as the gap grows
         middle = (low + high) // 2
@@ -231,9 +271,11 @@ def resolve_gap(layout: Layout, distance: Distance, budget: int, limit: int, con
     return replace(layout, gap=low)
 
 
-def protocol_layout(layout: Layout, distance: Distance, config: EvictionConfig, protect: str) -> Layout:
-    budgets, limits = sequence_budgets([int(config.budget)], [layout.stub], protect, config)
-    return resolve_gap(layout, distance, budgets[0], limits[0], config)
+def protocol_layout(layout: Layout, distance: Distance, config: EvictionConfig, protections: Sequence[str]) -> Layout:
+    """The layout whose gap gives every one of `protections` (the policies' resolved protection) at least
+    `distance`: under a budget that counts only scored tokens (EpiKV) the protection moves the schedule."""
+    return max((resolve_gap(layout, distance, Schedule.of(config, protect, layout.stub)) for protect in protections),
+               key=lambda resolved: resolved.gap)
 
 
 # --- filler and instances ----------------------------------------------------------------------------------------
@@ -320,6 +362,7 @@ class Forced:
     argmax: np.ndarray  # [rows, value] the greedy token at each digit position
     resident: np.ndarray  # [rows, layers, kv_heads] every digit of the fact visible when the value is first predicted
     rounds: list[int]  # next_pos of every decode-time eviction round (all rows share the schedule)
+    peak_slots: int  # the most cache slots a KV head held at any forward (all rows share it)
 
 
 def resident_heads(cache, watch: Sequence[int], query: int) -> np.ndarray:
@@ -366,7 +409,8 @@ def run_forced(engine, prompt: Sequence[int], bodies: Sequence[Sequence[int]], v
             if progress is not None:
                 progress(1)
         session.end_decode()
-    return Forced(torch.stack(logprobs, 1).numpy(), torch.stack(argmax, 1).numpy(), resident, rounds)
+        peak = max(session.cache_sizes[0])
+    return Forced(torch.stack(logprobs, 1).numpy(), torch.stack(argmax, 1).numpy(), resident, rounds, peak)
 
 
 @torch.inference_mode()
@@ -384,12 +428,12 @@ def dense_logprobs(lm, prompt: Sequence[int], bodies: Sequence[Sequence[int]], v
     visible = [t != "sliding_attention" or query - min(watch) < cfg.sliding_window for t in types]
     resident = np.broadcast_to(np.array(visible)[None, :, None],
                                (len(bodies), cfg.num_hidden_layers, cfg.num_key_value_heads)).copy()
-    return Forced(logprobs, logits.argmax(-1).cpu().numpy(), resident, [])
+    return Forced(logprobs, logits.argmax(-1).cpu().numpy(), resident, [], ids.shape[1])
 
 
 def outcome(tokenizer, forced: Forced, row: int, target: Sequence[int]) -> dict[str, Any]:
-    """One row's result: log p(value), per-token log-probs, retrieval, and the greedy continuation up to and
-    including its first wrong token (exactly what greedy decoding would have produced)."""
+    """One row's result: log p(value), per-token log-probs, retrieval, the greedy continuation up to and including
+    its first wrong token (exactly what greedy decoding would have produced), and the peak cache slots per head."""
     picks = [int(t) for t in forced.argmax[row]]
     agree = [p == t for p, t in zip(picks, target)]
     greedy = picks if all(agree) else picks[: agree.index(False) + 1]
@@ -400,16 +444,31 @@ def outcome(tokenizer, forced: Forced, row: int, target: Sequence[int]) -> dict[
         "greedy": tokenizer.decode(greedy),
         "resident": float(forced.resident[row].mean()),
         "resident_heads": forced.resident[row].astype(int).tolist(),
+        "peak_slots": forced.peak_slots,
     }
-
-
-def batch_seed(seed: int, indices: Sequence[int]) -> int:
-    """An eviction seed that depends only on the run seed and the batch, so a resumed run redraws the same."""
-    return (seed * 1_000_003 + zlib.crc32(str(list(indices)).encode())) % (2**63)
 
 
 def chunks(n: int, size: int) -> list[list[int]]:
     return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+
+
+# --- workers ------------------------------------------------------------------------------------------------------
+SERIAL = BackendConfig()  # the default backend: every unit in this process
+@dataclass
+class ProbeWorker:
+    """What runs a probe's units: the loaded model, and whether to show a per-token bar (only the driver's own
+    worker has a terminal)."""
+
+    lm: Any
+    progress: bool = False
+
+    def decode_bar(self, steps: int, desc: str):
+        return tqdm(total=steps, unit="tok", leave=False, file=sys.stderr, desc=desc, disable=not self.progress)
+
+
+def load_probe_worker(config: ProbeConfig) -> ProbeWorker:
+    """A Ray worker's `ProbeWorker`: the probe's model, loaded once."""
+    return ProbeWorker(config.load_model())
 
 
 # --- statistics --------------------------------------------------------------------------------------------------
@@ -438,9 +497,11 @@ def interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
     return percentile_interval(finite, level) if finite.size else (math.nan, math.nan)
 
 
-def summarise(retrieved, lp, n_boot: int, level: float, seed: int, kept=None, deleted=None) -> dict[str, Any]:
-    """Retrieval (Wilson interval: one 0/1 trial per instance), mean log p (instance bootstrap) and, given the
-    kept / deleted references of the same instances, graded recall R with an instance-clustered bootstrap."""
+def retrieval_statistics(retrieved, lp, n_boot: int, level: float, seed: int, kept=None,
+                         deleted=None) -> dict[str, float | int]:
+    """The statistics of one condition, keyed by their `ProbeRow` fields: retrieval with its Wilson interval (one
+    0/1 trial per instance), mean log p with an instance-bootstrap interval and, given the kept / deleted references
+    of the same instances, graded recall R with an instance-clustered bootstrap interval."""
     retrieved, lp = np.asarray(retrieved, dtype=float), np.asarray(lp, dtype=float)
     n = lp.size
     rng = np.random.default_rng(seed)
@@ -455,90 +516,120 @@ def summarise(retrieved, lp, n_boot: int, level: float, seed: int, kept=None, de
     return row
 
 
-# --- CLI and output helpers --------------------------------------------------------------------------------------
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
+# --- configuration ------------------------------------------------------------------------------------------------
+# The protocol settings a probe takes from the command line: everything `evictor.protocol` presets but the sampling
+# (every token is teacher-forced, so nothing is sampled) and what the probe sets itself (its --budget and --seed).
+_NOT_PROBE_SETTINGS = ("budget", "seed", "keep_log", *SAMPLING_FIELDS)
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registry name ({', '.join(sorted(REGISTRY))}), local HF "
-                   f"directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--n", type=positive_int, default=20, help="instances (default: 20)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="draws each instance's variable, value and filler start, and seeds the eviction (default: 0)")
-    p.add_argument("--budget", type=positive_int, default=256,
-                   help="K per KV head in tokens, prompt included; Random Attention's 1024 scaled to a 135M model "
-                   "(default: 256)")
-    p.add_argument("--buffer", type=positive_int, default=32,
-                   help="recent buffer r: the r newest tokens are never evicted; with the interval trigger a round "
-                   "fires every r tokens (default: 32)")
-    p.add_argument("--trigger", default="interval", choices=TRIGGERS,
-                   help="interval: evict every r steps once the cache reaches K + 2r; step: whenever over K + r")
-    p.add_argument("--lead", type=positive_int, default=32, help="filler tokens before the fact (default: 32)")
-    p.add_argument("--box", type=positive_int, default=16,
-                   help="tokens of the fact box: the fact sentence, padded with the following filler (default: 16)")
-    p.add_argument("--filler", default=None,
-                   help="a generations.jsonl (or its run directory) of the model's dense traces to cut filler from "
-                   "(default: the --dataset reference solutions)")
-    p.add_argument("--dataset", default="math500", help="benchmark whose solutions are the filler (default: math500)")
-    p.add_argument("--data-file", default=None, help="read the --dataset problems from this JSONL")
-    p.add_argument("--batch-size", type=positive_int, default=8,
-                   help="instances decoded together; the rows of a batch share the eviction draws' generator, so "
-                   "results are reproducible for the same --n and --batch-size (default: 8)")
-    p.add_argument("--n-boot", type=positive_int, default=4000, help="bootstrap replicates (default: 4000)")
-    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
-    p.add_argument("--attention-source", default=None, choices=ATTENTION_SOURCES,
-                   help="for attention-requiring policies: eager kernel weights (needs --kernel eager) or recomputed "
-                   "attention of a window of recent queries (default: eager iff --kernel eager)")
-    p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, FA2 on CUDA)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights dtype")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with other jobs")
-    p.add_argument("--out", default=None, help="output directory (default: runs/<probe>/<model>-<policy>-...)")
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """The settings both probes share; each is the command-line flag of the same name (``data_file``:
+    ``--data-file``), except `protocol_settings`: the protocol flags given explicitly (``--buffer 8`` ->
+    ``{"buffer": 8}``), which override the `protocol` preset."""
+
+    model: str = DEFAULT_MODEL
+    n: int = 20  # instances; a finished run may be resumed with more
+    seed: int = 0
+    budget: int = 256  # K per KV head in tokens, prompt included
+    protocol: str = "custom"  # its schedule is Random Attention's: an interval trigger with a buffer of 64
+    protocol_settings: dict[str, Any] = field(default_factory=dict)
+    lead: int = 32  # filler tokens before the fact
+    box: int = 16  # tokens of the fact box
+    filler: str | None = None  # a generations.jsonl (or its run directory) to cut filler from
+    dataset: str = "math500"  # whose reference solutions are the filler when `filler` is None
+    data_file: str | None = None
+    batch_size: int = 8
+    n_boot: int = 4000
+    level: float = 0.95
+    kernel: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+    def check(self) -> None:
+        """Refuse settings that are wrong before anything is loaded or written."""
+        for name in ("n", "budget", "lead", "box", "batch_size", "n_boot"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not 0 < self.level < 1:
+            raise UsageError(f"--level must be in (0, 1), got {self.level}")
+        if self.data_file is not None and not Path(self.data_file).expanduser().is_file():
+            raise UsageError(f"--data-file {self.data_file!r} does not exist")
+        sampling = [key for key in SAMPLING_FIELDS if self.protocol_settings.get(key) is not None]
+        if sampling:
+            flags = " and ".join("--" + key.replace("_", "-") for key in sampling)
+            raise UsageError(f"{flags}: the probes teacher-force every token, so nothing is sampled; leave "
+                             f"{'them' if len(sampling) > 1 else 'it'} out")
+        self.resolved()
+
+    def resolved(self) -> Protocol:
+        """The protocol preset with the explicit settings, at this probe's budget and seed."""
+        settings = {k: v for k, v in self.protocol_settings.items() if k not in _NOT_PROBE_SETTINGS}
+        protocol = resolve_protocol(self.protocol, settings)
+        return replace(protocol, config=replace(protocol.config, budget=self.budget, seed=self.seed))
+
+    def eviction(self) -> EvictionConfig:
+        return self.resolved().config
+
+    def protocol_record(self) -> dict[str, Any]:
+        """The resolved protocol as every probe record and row states it (no sampling: nothing is sampled)."""
+        return {k: v for k, v in self.resolved().to_dict().items()
+                if k not in ("seed", "keep_log", *SAMPLING_FIELDS)}
+
+    def identity(self) -> dict[str, Any]:
+        """The shared settings that change what an instance record holds (a resumed run must match them); the
+        instance count, the bootstrap, the device and the backend do not."""
+        return {"model": self.model, "seed": self.seed, "batch_size": self.batch_size, "lead": self.lead,
+                "box": self.box, "dtype": self.dtype, "kernel": self.kernel, "protocol": self.protocol_record()}
+
+    def load_model(self):
+        return load_model(self.model, device=self.device, dtype=self.dtype, attn_implementation=self.kernel)
+
+    def out_parts(self) -> list[str]:
+        """The protocol part of the default output directory's name."""
+        return [self.protocol, f"K{self.budget}", f"r{self.eviction().buffer}"]
 
 
-def check_common(args) -> None:
-    if not 0 < args.level < 1:
-        raise UsageError(f"--level must be in (0, 1), got {args.level}")
-    if args.data_file is not None and not Path(args.data_file).expanduser().is_file():
-        raise UsageError(f"--data-file {args.data_file!r} does not exist")
+def config_from_arguments(cls: type[C], args: argparse.Namespace, **parsed: Any) -> C:
+    """A probe's config from its parsed command line: every field is the flag of the same name, except those given
+    in `parsed` (flags the command line spells differently) and the protocol settings given explicitly."""
+    flags = vars(args)
+    settings = {k: v for k, v in protocol_overrides(flags).items() if v is not None and k not in ("budget", "seed")}
+    return cls(**{f.name: flags[f.name] for f in fields(cls) if f.name not in parsed and f.name in flags},
+               protocol_settings=settings, **parsed)
 
 
-def protocol(args) -> EvictionConfig:
-    return EvictionConfig(budget=args.budget, buffer=args.buffer, block=DEFAULT_BLOCK, trigger=args.trigger,
-                          attention_source=args.attention_source, seed=args.seed)
+@dataclass(frozen=True)
+class ProbeResult:
+    """A finished probe run: one `ProbeRow` per condition, the layout every instance shared, and the run-level
+    facts written beside the rows in ``summary.json``."""
+
+    rows: list[ProbeRow]
+    layout: Layout
+    out: Path
+    context: dict[str, Any]
 
 
-def check_resumable(out: Path, identity: dict) -> None:
-    """A directory holding a run with other settings is refused (the instance count may grow)."""
-    path = out / "config.json"
-    if not path.exists():
-        return
-    try:
-        previous = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise UsageError(f"{path} is not valid JSON; use another --out") from None
-    old = json.dumps(previous.get("identity"), sort_keys=True, default=str)
-    if old != json.dumps(identity, sort_keys=True, default=str):
-        raise UsageError(f"{out} holds a run with different settings; use another --out (or the same settings)")
+# --- output ------------------------------------------------------------------------------------------------------
+def default_out(probe: str, model: str, *parts: object) -> Path:
+    return Path("runs") / probe / "-".join([Path(model).name, *map(str, parts)])
 
 
-def write_summary(out: Path, rows: list[dict], extra: dict) -> None:
-    with atomic_write(out / "summary.json") as handle:
-        json.dump({"rows": rows, **extra}, handle, indent=2, default=str)
-        handle.write("\n")
-    fields = list(dict.fromkeys(k for row in rows for k in row))
+def write_summary(out: Path, rows: list[ProbeRow], context: dict[str, Any]) -> None:
+    """``summary.json`` (the rows and `context`) and ``summary.csv`` (the rows), both written atomically."""
+    records = as_json(rows)
+    write_json(out / "summary.json", {"rows": records, **context})
+    columns = list(dict.fromkeys(k for record in records for k in record))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=fields)
+    writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: csv_value(v) for k, v in record.items()} for record in records)
     with atomic_write(out / "summary.csv") as handle:
         handle.write(buffer.getvalue())
 
 
-def format_table(rows: list[dict], columns: Sequence[tuple[str, str, int]], graded: bool) -> str:
+def format_table(rows: list[ProbeRow], columns: Sequence[tuple[str, str, int]], graded: bool) -> str:
     """Rows as a fixed-width table: the label `columns` ((key, header, width), the first left-aligned), then
     n, retrieval and its interval, mean LP and its interval, R and its interval when `graded`, and held."""
 
@@ -561,11 +652,46 @@ def format_table(rows: list[dict], columns: Sequence[tuple[str, str, int]], grad
         parts = [f"{labels[0][:first]:<{first}}"] + [f"{v:>{w}}" for v, (_, _, w) in zip(labels[1:], rest)]
         return " ".join(parts + [f"{v:>{w}}" for v, (_, w, _) in zip(values, stats)])
 
+    records = as_json(rows)
     head = line([h for _, h, _ in columns], [h for h, _, _ in stats])
     body = [line(["-" if r.get(k) is None else str(r[k]) for k, _, _ in columns], [f(r) for _, _, f in stats])
-            for r in rows]
+            for r in records]
     return "\n".join([head, "-" * len(head), *body])
 
 
 def layout_record(layout: Layout) -> dict[str, int]:
     return {**asdict(layout), **layout.positions()}
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+def add_common_arguments(p: argparse.ArgumentParser, default_model: str = DEFAULT_MODEL) -> None:
+    p.add_argument("--model", default=default_model, help=f"registry name ({', '.join(sorted(REGISTRY))}), local HF "
+                   f"directory, .gguf file or hub id (default: {default_model})")
+    p.add_argument("--n", type=positive_int, default=20,
+                   help="instances; rerunning a finished run with a larger --n adds instances (default: 20)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws each instance's variable, value and filler start, and seeds the eviction (default: 0)")
+    p.add_argument("--budget", type=positive_int, default=256,
+                   help="K per KV head in tokens; Random Attention's 1024 scaled to a 135M model (default: 256)")
+    add_protocol_arguments(p, sampling=False)
+    p.add_argument("--lead", type=positive_int, default=32, help="filler tokens before the fact (default: 32)")
+    p.add_argument("--box", type=positive_int, default=16,
+                   help="tokens of the fact box: the fact sentence, padded with the following filler (default: 16)")
+    p.add_argument("--filler", default=None,
+                   help="a generations.jsonl (or its run directory) of the model's dense traces to cut filler from "
+                   "(default: the --dataset reference solutions)")
+    p.add_argument("--dataset", default="math500", help="benchmark whose solutions are the filler (default: math500)")
+    p.add_argument("--data-file", default=None, help="read the --dataset problems from this JSONL")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="instances decoded together; the rows of a batch share the eviction draws' generator, so "
+                   "results are reproducible for the same --n and --batch-size (default: 8)")
+    p.add_argument("--n-boot", type=positive_int, default=4000, help="bootstrap replicates (default: 4000)")
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals, in (0, 1) "
+                   "(default: 0.95)")
+    p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, FA2 on CUDA)")
+    add_device_arguments(p)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with other jobs")
+    add_backend_arguments(p)
+    p.add_argument("--out", default=None, help="output directory; rerun the same command to resume it "
+                   "(default: runs/<probe>/<model>-<settings>)")

@@ -9,55 +9,221 @@ digits in some head. Everything after a short prefilled stub is teacher-forced t
 Per policy: retrieval (greedy decoding reproduces the 4 digits; Wilson interval; chance 1/9000), mean log p of the
 passcode's digit tokens (0 = certain, very negative = gone; instance bootstrap interval) and ``held``, the fraction
 of (layer, KV head)s still holding every digit when the passcode is predicted. The dense run (no eviction) is
-always reported as ``full``. Attention-requiring policies (h2o, snapkv, ...) read the engine's attention source:
-``--attention-source window`` recomputes attention for recent queries under SDPA, ``eager`` needs ``--kernel eager``.
+always reported as ``full``. Attention-requiring policies (h2o, snapkv, ...) read the engine's attention feed, which
+is exact under every kernel.
 
     python -m probes.passcode --policy random,h2o --rounds 8 --n 20
+
+From Python: ``run_passcode(PasscodeConfig(policies=("random", "h2o")), out)`` returns the same rows as
+`core.schemas.ProbeRow` records.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from core.cli import main_guard, positive_int, save_config
+from core.backend import BackendConfig, connected, run_units
+from core.cli import ArgumentParser, main_guard, positive_int
 from core.errors import UsageError, unknown_choice
+from core.rundir import RunDir
+from core.schemas import ProbeRow
+from core.seeds import derive_seed
+from evictor.engine import EvictionEngine
+from evictor.policy import get_policy, policy_names
 from probes._eviction_probe import (
     CHANCE,
+    SERIAL,
     Distance,
+    Instance,
     InstanceBuilder,
-    Parser,
+    Layout,
+    ProbeConfig,
+    ProbeResult,
+    ProbeWorker,
+    Schedule,
     Script,
     add_common_arguments,
     base_layout,
-    batch_seed,
-    check_common,
-    check_resumable,
     chunks,
+    config_from_arguments,
+    default_out,
     dense_logprobs,
     fact_rounds,
     filler_texts,
     format_table,
     layout_record,
+    load_probe_worker,
     outcome,
-    protocol,
     protocol_layout,
+    retrieval_statistics,
     run_forced,
     stub_ids,
-    summarise,
     write_summary,
 )
 
+PROBE = "passcode"
 SCRIPT = Script(fact="\nThe passcode is {value}.", question="\nWhat was the passcode? The passcode is")
 FULL = "full"
 
 
+def parse_policies(text: str, names: list[str]) -> list[str]:
+    chosen = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not chosen:
+        raise UsageError(f"--policy {text!r}: give at least one policy name")
+    for name in chosen:
+        if name not in names:
+            raise unknown_choice("policy", name, names)
+    return chosen
+
+
+@dataclass(frozen=True, kw_only=True)
+class PasscodeConfig(ProbeConfig):
+    """A passcode run; every field is the flag of the same name (``policies``: ``--policy``; see ``--help``)."""
+
+    policies: tuple[str, ...] = ("random",)  # besides the dense run `full`, which is always reported
+    rounds: int = 8
+
+    def check(self) -> None:
+        super().check()
+        parse_policies(",".join(self.policies), policy_names())
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise UsageError(f"--rounds must be a positive integer, got {self.rounds!r}")
+
+
+@dataclass(frozen=True)
+class PasscodePlan:
+    """What every unit of a run shares, resolved by the driver."""
+
+    config: PasscodeConfig
+    stub: tuple[int, ...]
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class PasscodeBatch:
+    """The unit of work: one policy (or the dense run `full`) on one batch of instances."""
+
+    policy: str
+    indices: tuple[int, ...]
+    instances: tuple[Instance, ...]
+    seed: int
+
+
+@dataclass
+class PasscodeWorker(ProbeWorker):
+    """A `ProbeWorker` with one engine per policy of the run."""
+
+    engines: dict[str, EvictionEngine] = field(default_factory=dict)
+
+
+def passcode_engines(lm, config: PasscodeConfig) -> dict[str, EvictionEngine]:
+    eviction = config.eviction()
+    return {name: EvictionEngine(lm, get_policy(name), eviction) for name in config.policies if name != FULL}
+
+
+def load_passcode_worker(config: PasscodeConfig) -> PasscodeWorker:
+    """A Ray worker's `PasscodeWorker`: the model, loaded once, and its engines."""
+    worker = load_probe_worker(config)
+    return PasscodeWorker(worker.lm, engines=passcode_engines(worker.lm, config))
+
+
+def run_passcode_batch(plan: PasscodePlan, worker: PasscodeWorker, unit: PasscodeBatch) -> list[dict[str, Any]]:
+    """One record per instance of `unit`: the outcome under the unit's policy (or dense)."""
+    layout, lm = plan.layout, worker.lm
+    bodies = [inst.body for inst in unit.instances]
+    watch = unit.instances[0].watch
+    if unit.policy == FULL:
+        forced, rounds = dense_logprobs(lm, plan.stub, bodies, layout.value, watch), 0
+    else:
+        engine = worker.engines[unit.policy]
+        with worker.decode_bar(layout.total - layout.stub - 1, unit.policy) as bar:
+            forced = run_forced(engine, plan.stub, bodies, layout.value, watch, unit.seed, bar.update)
+        rounds = fact_rounds(forced.rounds, layout, Schedule.of(engine.config, engine.protect, layout.stub))
+    return [{"policy": unit.policy, "id": inst.id, "index": inst.index, "value": inst.value,
+             "filler": list(inst.filler_ids), "seed": unit.seed, "batch": list(unit.indices), "fact_rounds": rounds,
+             "round_positions": forced.rounds, **outcome(lm.tokenizer, forced, k, inst.body[-layout.value:])}
+            for k, inst in enumerate(unit.instances)]
+
+
+def run_passcode(config: PasscodeConfig, out: str | os.PathLike | None = None, *, progress: bool = True,
+                 backend: BackendConfig = SERIAL) -> ProbeResult:
+    """Run (or resume) the passcode test into `out`; one `ProbeRow` per policy, the dense run ``full`` first.
+    `backend` runs the units (`core.backend`); the records are the same either way.
+
+    Records are keyed by (policy, instance), so a finished run may be resumed with more policies or instances.
+    """
+    config.check()
+    policies = [p for p in dict.fromkeys(config.policies) if p != FULL]
+    eviction = config.eviction()
+    texts, origin = filler_texts(config.filler, config.dataset, config.data_file)
+    identity = {"probe": PROBE, **config.identity(), "script": asdict(SCRIPT), "filler": origin,
+                "rounds": config.rounds}
+    out = Path(out) if out is not None else default_out(PROBE, config.model, *config.out_parts(), f"R{config.rounds}",
+                                                        f"s{config.seed}")
+    with RunDir(out, identity) as run, connected(backend):
+        lm = config.load_model()
+        engines = passcode_engines(lm, config)
+        tokenizer = lm.tokenizer
+        stub = stub_ids(tokenizer)
+        # Every policy sees the passcode in at least --rounds rounds, whatever its protection.
+        protections = sorted({engine.protect for engine in engines.values()}) or ["prompt"]
+        layout = protocol_layout(base_layout(tokenizer, SCRIPT, len(stub), config.lead, config.box),
+                                 Distance(config.rounds, "rounds"), eviction, protections)
+        builder = InstanceBuilder(tokenizer, SCRIPT, texts, layout, config.seed, uses_var=False)
+        instances = [builder.build(i) for i in range(config.n)]
+        run.save_config(config=asdict(config), loaded_model=lm.describe(), layout=layout_record(layout),
+                        engines={n: e.describe() for n, e in engines.items()}, backend=asdict(backend))
+        store = run.store("instances.jsonl", key=lambda r: (r["policy"], r["id"]))
+        cells = [FULL, *policies]
+        units = [PasscodeBatch(cell, tuple(batch), tuple(instances[i] for i in batch), derive_seed(config.seed, batch))
+                 for batch in chunks(config.n, config.batch_size) for cell in cells
+                 if not all((cell, instances[i].id) in store for i in batch)]
+        plan = PasscodePlan(config, tuple(stub), layout)
+
+        def commit(unit: PasscodeBatch, records: list[dict[str, Any]]) -> None:
+            for record in records:
+                if (record["policy"], record["id"]) not in store:
+                    store.append(record)
+
+        with tqdm(total=config.n * len(cells), initial=sum((c, i.id) in store for c in cells for i in instances),
+                  unit="run", file=sys.stderr, desc=PROBE, disable=not progress) as bar:
+            run_units(units, functools.partial(load_passcode_worker, config),
+                      functools.partial(run_passcode_batch, plan), backend, on_result=commit,
+                      progress=lambda unit, records: bar.update(len(records)),
+                      local_worker=PasscodeWorker(lm, progress, engines))
+
+        wanted = {inst.id for inst in instances}
+        protocol = config.protocol_record()
+        rows = []
+        for cell in cells:
+            records = sorted((r for r in store.records if r["policy"] == cell and r["id"] in wanted),
+                             key=lambda r: r["index"])
+            stats = retrieval_statistics([r["retrieved"] for r in records], [r["lp"] for r in records],
+                                         config.n_boot, config.level, config.seed)
+            rows.append(ProbeRow(id=cell, probe=PROBE, condition=cell, **stats,
+                                 held=float(np.mean([r["resident"] for r in records])),
+                                 extra={"protection": "-" if cell == FULL else engines[cell].protect,
+                                        "fact_rounds": max((r["fact_rounds"] for r in records), default=0),
+                                        "protocol": None if cell == FULL else protocol,
+                                        "peak_slots": max(r["peak_slots"] for r in records)}))
+        context = {"chance": CHANCE, "layout": layout_record(layout), "rounds": config.rounds, "protocol": protocol}
+        write_summary(run.path, rows, context)
+    return ProbeResult(rows, layout, out, context)
+
+
+# --- command line ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
+    p = ArgumentParser(
         prog="python -m probes.passcode",
         description="Random Attention's passcode test: state a passcode once, let N eviction rounds pass, ask for "
         "it, and measure per policy whether the model still reproduces it (retrieval, mean log p).",
@@ -72,113 +238,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_policies(text: str, names: list[str]) -> list[str]:
-    chosen = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    if not chosen:
-        raise UsageError(f"--policy {text!r}: give at least one policy name")
-    for name in chosen:
-        if name not in names:
-            raise unknown_choice("policy", name, names)
-    return chosen
-
-
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    check_common(args)
-    from evictor.engine import EvictionEngine
-    from evictor.policy import get_policy, policy_names
-    from models.loading import load_model
-
-    policies = [p for p in parse_policies(args.policy, policy_names()) if p != FULL]
+    config = config_from_arguments(PasscodeConfig, args, policies=tuple(parse_policies(args.policy, policy_names())))
+    backend = BackendConfig.from_flags(vars(args))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.kernel)
-    config = protocol(args)
-    engines = {name: EvictionEngine(lm, get_policy(name), config) for name in policies}
-    texts, origin = filler_texts(args.filler, args.dataset, args.data_file)
-    tokenizer = lm.tokenizer
-    stub = stub_ids(tokenizer)
-    # The schedule does not depend on the protection (a round always returns the cache to K + r); any policy's
-    # protection limit gives the same layout.
-    protect = next(iter(engines.values())).protect if engines else "prompt"
-    distance = Distance(args.rounds, "rounds")
-    layout = protocol_layout(base_layout(tokenizer, SCRIPT, len(stub), args.lead, args.box), distance, config, protect)
-    builder = InstanceBuilder(tokenizer, SCRIPT, texts, layout, args.seed, uses_var=False)
-    instances = [builder.build(i) for i in range(args.n)]
-
-    identity = {
-        "probe": "passcode", "model": args.model, "script": vars(SCRIPT), "filler": origin, "seed": args.seed,
-        "batch_size": args.batch_size, "dtype": args.dtype, "rounds": args.rounds, "layout": layout_record(layout),
-        "protocol": {k: v for k, v in config.to_dict().items() if k not in ("seed", "keep_log")},
-        "kernel": lm.kernel,
-    }
-    out = Path(args.out) if args.out else Path("runs") / "passcode" / (
-        f"{Path(args.model).name}-K{args.budget}-r{args.buffer}-R{args.rounds}-s{args.seed}")
-    check_resumable(out, identity)  # policies may be added to a run: records are keyed by (policy, instance)
-
-    from tqdm import tqdm
-
-    from core.records import JsonlStore
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(out, {"identity": identity, "command": sys.argv, "n": args.n, "policies": policies,
-                      "engines": {n: e.describe() for n, e in engines.items()}, "loaded_model": lm.describe(),
-                      "args": vars(args)})
-    store = JsonlStore(out / "instances.jsonl", key=lambda r: (r["policy"], r["id"]))
-    cells = [FULL, *policies]
-    steps = layout.total - layout.stub - 1
     try:
-        with tqdm(total=args.n * len(cells), initial=sum((c, i.id) in store for c in cells for i in instances),
-                  unit="run", file=sys.stderr, desc="passcode") as bar:
-            for batch in chunks(args.n, args.batch_size):
-                group = [instances[i] for i in batch]
-                seed = batch_seed(args.seed, batch)
-                for cell in cells:
-                    if all((cell, inst.id) in store for inst in group):
-                        continue
-                    bodies = [inst.body for inst in group]
-                    if cell == FULL:
-                        forced = dense_logprobs(lm, stub, bodies, layout.value, group[0].watch)
-                    else:
-                        with tqdm(total=steps, unit="tok", leave=False, file=sys.stderr, desc=cell) as inner_bar:
-                            forced = run_forced(engines[cell], stub, bodies, layout.value, group[0].watch, seed,
-                                                inner_bar.update)
-                    for k, inst in enumerate(group):
-                        if (cell, inst.id) in store:
-                            continue
-                        store.append({
-                            "policy": cell, "id": inst.id, "index": inst.index, "value": inst.value,
-                            "filler": list(inst.filler_ids), "seed": seed, "batch": batch,
-                            "fact_rounds": fact_rounds(forced.rounds, layout, config),
-                            "round_positions": forced.rounds,
-                            **outcome(tokenizer, forced, k, inst.body[-layout.value:]),
-                        })
-                        bar.update(1)
+        result = run_passcode(config, args.out, backend=backend)
     except KeyboardInterrupt:
         print("\ninterrupted; finished runs are saved; rerun the same command to resume", file=sys.stderr)
         return 130
-
-    wanted = {inst.id for inst in instances}
-    rows = []
-    for cell in cells:
-        records = sorted((r for r in store.records if r["policy"] == cell and r["id"] in wanted),
-                         key=lambda r: r["index"])
-        stats = summarise([r["retrieved"] for r in records], [r["lp"] for r in records], args.n_boot, args.level,
-                          args.seed)
-        rows.append({"condition": cell, "protection": "-" if cell == FULL else engines[cell].protect,
-                     "fact_rounds": max((r["fact_rounds"] for r in records), default=0), **stats,
-                     "held": float(np.mean([r["resident"] for r in records]))})
-    write_summary(out, rows, {"chance": CHANCE, "layout": layout_record(layout), "rounds": args.rounds})
-    print(format_table(rows, [("condition", "policy", 16), ("protection", "protect", 7)], graded=False))
+    layout = result.layout
+    print(format_table(result.rows, [("condition", "policy", 16), ("protection", "protect", 7)], graded=False))
     print(f"\nchance: {CHANCE:.5f} for a blind 4-digit guess. Passcode at positions {layout.box_start}.."
           f"{layout.box_end - 1}, answer at {layout.value_start} ({layout.gap} filler tokens between); "
-          f"{args.rounds} eviction rounds saw it before the question. held = fraction of (layer, KV head)s holding "
+          f"{config.rounds} eviction rounds saw it before the question. held = fraction of (layer, KV head)s holding "
           "every digit when the passcode is predicted.")
-    print(f"written to {out}/ (instances.jsonl, summary.csv, summary.json, config.json)")
+    print(f"written to {result.out}/ (instances.jsonl, summary.csv, summary.json, config.json)")
     return 0
 
 
 main = main_guard(_run)
 
 if __name__ == "__main__":
+    from probes.passcode import main  # this module under its own name, so Ray workers unpickle its functions
+
     raise SystemExit(main())

@@ -6,6 +6,11 @@ box of tokens) is inserted into real reasoning text, a chosen distance before a 
 engine's decode path so it is evicted like generated text (layout: `probes._eviction_probe`). The experimenter
 decides which KV heads keep the fact; the chosen policy (default Random Attention) evicts everything else.
 
+The default model, ``smollm2-135m-mha``, is SmolLM2-135M-Instruct with each KV head duplicated for every query head
+of its group (`models.expand`): the same logits as SmolLM2, but 9 KV heads instead of 3. Per-head eviction then acts
+per query head, a finer-grained version of the paper's experiment on Qwen3-4B, whose 8 KV heads each serve a group
+of query heads; head sets such as ``2,3,5`` (Fig. 3a) exist on it.
+
 Pinning (`PinnedFact`) wraps the policy: it lets the policy score every candidate, then overrides the fact box's
 candidates with +inf (keep) in the chosen (layer, head)s and -inf (evict) in all others, so once the box leaves
 the recent buffer it is deleted at the next round from every head that does not hold it. Layers outside
@@ -26,53 +31,71 @@ Every instance also runs with the fact kept in every head (``kept``, LP_kept) an
 All conditions of an instance are rows of one batch: they read identical tokens and share the eviction schedule;
 the policy's random draws differ per row (each row is an independent draw of the same protocol).
 
-    python -m probes.planted_fact --heads "0;0,1;all;none" --n 20
+    python -m probes.planted_fact --heads "2,3,5;2,3;5;all;none" --n 20
+
+From Python: ``run_planted_fact(PlantedFactConfig(heads="2,3,5", n=20), out)`` returns the same rows as
+`core.schemas.ProbeRow` records.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs
-from evictor.protocol import sequence_budgets
-from core.cli import main_guard, save_config
-from core.errors import UsageError
+from core.backend import BackendConfig, connected, run_units
+from core.cli import ArgumentParser, main_guard
+from core.errors import UsageError, unknown_choice
+from core.rundir import RunDir
+from core.schemas import ProbeRow
+from core.seeds import derive_seed
+from evictor.engine import EvictionEngine
+from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy
 from probes._eviction_probe import (
     CHANCE,
+    SERIAL,
+    Instance,
     InstanceBuilder,
-    Parser,
+    Layout,
+    ProbeConfig,
+    ProbeResult,
+    ProbeWorker,
+    Schedule,
     Script,
     add_common_arguments,
     base_layout,
-    batch_seed,
-    check_common,
-    check_resumable,
     chunks,
+    config_from_arguments,
+    default_out,
     dense_logprobs,
     fact_rounds,
     filler_texts,
     format_table,
     layout_record,
+    load_probe_worker,
     outcome,
     parse_distance,
-    protocol,
     protocol_layout,
+    retrieval_statistics,
     run_forced,
     stub_ids,
-    summarise,
     write_summary,
 )
 
+PROBE = "planted_fact"
+# SmolLM2-135M with one KV head per query head (models.expand): 9 heads to pin the fact in instead of 3.
+DEFAULT_PROBE_MODEL = "smollm2-135m-mha"
 SCRIPTS = {
     "ask": Script(fact="\nLet {var} = {value}.", question="\nWhat is the value of {var}? {var} ="),
-    # the easier copy task of the brief: the question repeats the fact's own left-hand side
+    # an easier copy task: the question repeats the fact's own left-hand side (a fallback when "ask" is too hard)
     "recall": Script(fact="\nLet {var} = {value}.", question="\nRecall: {var} ="),
 }
 KEPT, DELETED, FULL = "kept", "deleted", "full"
@@ -225,145 +248,153 @@ def build_conditions(sets: list[HeadSet], layers: tuple[int, ...], n_layers: int
     return Conditions(tuple(row_of), tuple(masks), row_of, describe)
 
 
-# --- CLI ---------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m probes.planted_fact",
-        description="Random Attention's planted-fact probe: plant 'Let zq = 4729.' in real reasoning text, "
-        "teacher-force it through the eviction engine's decode path with the fact kept in chosen KV heads only, "
-        "and measure whether the model still retrieves the value (retrieval, log p, graded recall R).",
-    )
-    p.add_argument("--heads", default=None,
-                   help="KV head sets that keep the fact, ';'-separated: a comma list, 'all' or 'none', e.g. "
-                   "'0;0,1;all;none' (default: 'none', each single head, then 'all')")
-    p.add_argument("--layers", default="all",
-                   help="layers in which the chosen heads keep the fact: 'all' or a list like '0-9,20'; the fact is "
-                   "deleted from every head of the other layers (default: all)")
-    p.add_argument("--policy", default="random",
-                   help="eviction policy for everything else (any registered name, python -m evictor.policies; "
-                   "default: random)")
-    p.add_argument("--question", default="ask", choices=sorted(SCRIPTS),
-                   help="ask: 'What is the value of zq? zq =' (default); recall: 'Recall: zq =' (an easier copy task)")
-    p.add_argument("--distance", default="4",
-                   help="how far back the fact is: N (or Nr) eviction rounds that see the whole fact box as a "
-                   "candidate before the question is answered, or Nt filler tokens (default: 4)")
-    add_common_arguments(p)
-    return p
+# --- the probe ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class PlantedFactConfig(ProbeConfig):
+    """A planted-fact run; every field is the flag of the same name (see ``--help``)."""
+
+    model: str = DEFAULT_PROBE_MODEL
+    heads: str | None = None  # ';'-separated head sets; None: 'none', every single head, then 'all'
+    layers: str = "all"
+    policy: str = "random"
+    question: str = "ask"
+    distance: str = "4"
+
+    def check(self) -> None:
+        super().check()
+        if self.question not in SCRIPTS:
+            raise unknown_choice("question", self.question, SCRIPTS)
+        parse_distance(self.distance)
 
 
-def _default_heads(n_heads: int) -> str:
-    return ";".join(["none", *map(str, range(n_heads)), "all"])
+@dataclass(frozen=True)
+class FactPlan:
+    """What every batch of a run shares, resolved by the driver (which alone reads the filler and the settings)."""
+
+    config: PlantedFactConfig
+    stub: tuple[int, ...]
+    layout: Layout
+    conditions: Conditions
 
 
-def _run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    check_common(args)
-    distance = parse_distance(args.distance)
-    from evictor.engine import EvictionEngine
-    from evictor.policy import get_policy
-    from models.loading import load_model
+@dataclass(frozen=True)
+class FactBatch:
+    """The unit of work: a batch of instances, all conditions of each as rows of one teacher-forced batch."""
 
-    inner = get_policy(args.policy)
-    if inner.scores_nothing:
-        raise UsageError(f"--policy {args.policy!r} never evicts, so nothing can be pinned; choose an evicting policy")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, attn_implementation=args.kernel)
-    n_layers, n_heads = lm.config.num_hidden_layers, lm.config.num_key_value_heads
-    sets = parse_head_sets(args.heads or _default_heads(n_heads), n_heads, lm.name)
-    layers = parse_layers(args.layers, n_layers, lm.name)
-    conditions = build_conditions(sets, layers, n_layers, n_heads)
-    config = protocol(args)
-    probe = EvictionEngine(lm, PinnedFact(inner, (0, 0), torch.zeros(1, n_layers, n_heads)), config)
-    texts, origin = filler_texts(args.filler, args.dataset, args.data_file)
-    tokenizer, script = lm.tokenizer, SCRIPTS[args.question]
-    stub = stub_ids(tokenizer)
-    layout = protocol_layout(base_layout(tokenizer, script, len(stub), args.lead, args.box), distance, config,
-                             probe.protect)
-    budgets, limits = sequence_budgets([args.budget], [len(stub)], probe.protect, config)
-    room = budgets[0] - limits[0] - config.recency
-    if room < args.box:
-        raise UsageError(f"--budget {args.budget} leaves {room} scored slots after the {limits[0]} protected prompt "
-                         f"tokens, fewer than the {args.box}-token fact box to pin; raise --budget")
-    builder = InstanceBuilder(tokenizer, script, texts, layout, args.seed, uses_var=True)
-    instances = [builder.build(i) for i in range(args.n)]
+    indices: tuple[int, ...]
+    instances: tuple[Instance, ...]
+    seed: int
 
-    identity = {
-        "probe": "planted_fact", "model": args.model, "policy": probe.policy.config()["inner"],
-        "protocol": {k: v for k, v in probe.describe().items() if k not in ("policy", "seed", "keep_log")},
-        "distance": str(distance), "question": args.question, "script": vars(script), "filler": origin,
-        "seed": args.seed, "batch_size": args.batch_size, "dtype": args.dtype, "layout": layout_record(layout),
-        "head_sets": [[s.label, list(s.heads)] for s in sets], "layers": list(layers),
-    }
-    out = Path(args.out) if args.out else Path("runs") / "planted_fact" / (
-        f"{Path(args.model).name}-{args.policy}-K{args.budget}-r{args.buffer}-d{distance}-{args.question}-s{args.seed}")
-    check_resumable(out, identity)
 
-    from tqdm import tqdm
-
-    from core.records import JsonlStore
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(out, {"identity": identity, "command": sys.argv, "n": args.n, "loaded_model": lm.describe(),
-                      "args": vars(args), "conditions": conditions.describe})
-    store = JsonlStore(out / "instances.jsonl", key=lambda r: r["id"])
-    box = (layout.box_start, layout.box_end)
+def run_fact_batch(plan: FactPlan, worker: ProbeWorker, unit: FactBatch) -> list[dict[str, Any]]:
+    """One instance record per instance of `unit`: every condition's outcome under eviction, and the dense run's."""
+    config, layout, conditions, lm = plan.config, plan.layout, plan.conditions, worker.lm
+    eviction = config.eviction()
+    keep = torch.stack([mask for _ in unit.instances for mask in conditions.masks])  # [rows, layers, kv_heads]
+    engine = EvictionEngine(lm, PinnedFact(get_policy(config.policy), (layout.box_start, layout.box_end), keep),
+                            eviction)
+    bodies = [inst.body for inst in unit.instances for _ in conditions.masks]
+    watch = unit.instances[0].watch
+    with worker.decode_bar(layout.total - layout.stub - 1, "decode") as bar:
+        forced = run_forced(engine, plan.stub, bodies, layout.value, watch, unit.seed, bar.update)
+    dense = dense_logprobs(lm, plan.stub, [inst.body for inst in unit.instances], layout.value, watch)
+    rounds = fact_rounds(forced.rounds, layout, Schedule.of(eviction, engine.protect, layout.stub))
     rows_per = len(conditions.masks)
-    steps = layout.total - layout.stub - 1
-    try:
-        with tqdm(total=args.n, initial=sum(i.id in store for i in instances), unit="instance", file=sys.stderr,
-                  desc="planted_fact") as bar:
-            for batch in chunks(args.n, args.batch_size):
-                todo = [instances[i] for i in batch if instances[i].id not in store]
-                if not todo:
-                    continue
-                group = [instances[i] for i in batch]
-                keep = torch.stack([mask for _ in group for mask in conditions.masks])  # [rows, layers, kv_heads]
-                engine = EvictionEngine(lm, PinnedFact(inner, box, keep), config)
-                seed = batch_seed(args.seed, batch)
-                bodies = [inst.body for inst in group for _ in conditions.masks]
-                with tqdm(total=steps, unit="tok", leave=False, file=sys.stderr, desc="decode") as inner_bar:
-                    forced = run_forced(engine, stub, bodies, layout.value, group[0].watch, seed, inner_bar.update)
-                dense = dense_logprobs(lm, stub, [inst.body for inst in group], layout.value, group[0].watch)
-                rounds = fact_rounds(forced.rounds, layout, config)
-                for k, inst in enumerate(group):
-                    if inst.id in store:
-                        continue
-                    target = inst.body[-layout.value:]
-                    results = {label: outcome(tokenizer, forced, k * rows_per + conditions.row_of[label], target)
-                               for label in conditions.labels}
-                    store.append({
-                        "id": inst.id, "index": inst.index, "var": inst.var, "value": inst.value,
-                        "filler": list(inst.filler_ids), "seed": seed, "batch": batch,
-                        "fact_rounds": rounds, "round_positions": forced.rounds,
-                        "full": outcome(tokenizer, dense, k, target), "conditions": results,
-                    })
-                    bar.update(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted; finished instances are saved; rerun the same command to resume", file=sys.stderr)
-        return 130
-
-    wanted = {inst.id for inst in instances}
-    records = sorted((r for r in store.records if r["id"] in wanted), key=lambda r: r["index"])
-    rows = summary_rows(records, [s.label for s in sets], conditions, args.n_boot, args.level, args.seed)
-    extra = {"chance": CHANCE, "layout": layout_record(layout), "distance": str(distance),
-             "fact_rounds": sorted({r["fact_rounds"] for r in records}), "n_instances": len(records),
-             "deleted_retrieval": float(np.mean([r["conditions"][DELETED]["retrieved"] for r in records]))}
-    write_summary(out, rows, extra)
-    columns = [("condition", "head set", 12), ("n_heads", "heads", 5), ("layers", "layers", 8)]
-    print(format_table(rows, columns, graded=True))
-    print(f"\nchance: {CHANCE:.5f} for a blind 4-digit guess; empirical with the fact deleted everywhere: "
-          f"{extra['deleted_retrieval']:.3f}. Fact box at positions {layout.box_start}..{layout.box_end - 1}, value at "
-          f"{layout.value_start}; {layout.gap} filler tokens between; rounds that saw the fact before the answer: "
-          f"{', '.join(map(str, extra['fact_rounds']))}. held = fraction of (layer, KV head)s holding the value's "
-          f"digits when it is predicted.")
-    print(f"written to {out}/ (instances.jsonl, summary.csv, summary.json, config.json)")
-    return 0
+    records = []
+    for k, inst in enumerate(unit.instances):
+        target = inst.body[-layout.value:]
+        results = {label: outcome(lm.tokenizer, forced, k * rows_per + conditions.row_of[label], target)
+                   for label in conditions.labels}
+        records.append({
+            "id": inst.id, "index": inst.index, "var": inst.var, "value": inst.value,
+            "filler": list(inst.filler_ids), "seed": unit.seed, "batch": list(unit.indices),
+            "fact_rounds": rounds, "round_positions": forced.rounds,
+            "full": outcome(lm.tokenizer, dense, k, target), "conditions": results,
+        })
+    return records
 
 
-def summary_rows(records: list[dict], requested: list[str], conditions: Conditions, n_boot: int, level: float,
-                 seed: int) -> list[dict]:
-    """One row per requested head set, then the kept / deleted references not among them, then the dense run."""
+def run_planted_fact(config: PlantedFactConfig, out: str | os.PathLike | None = None, *, progress: bool = True,
+                     backend: BackendConfig = SERIAL) -> ProbeResult:
+    """Run (or resume) the planted-fact probe into `out`; one `ProbeRow` per head set, then the kept / deleted
+    references not among them, then the dense run ``full``. `backend` runs the batches (`core.backend`); the records
+    are the same either way.
+
+    Everything that can be checked without the model is checked before `out` is claimed; the rest (head and layer
+    ranges, the budget) before anything is written. A second run on the same `out` is refused at once.
+    """
+    config.check()
+    distance = parse_distance(config.distance)
+    inner = get_policy(config.policy)
+    if inner.scores_nothing:
+        raise UsageError(f"--policy {config.policy!r} never evicts, so nothing can be pinned; choose an evicting "
+                         "policy")
+    eviction = config.eviction()
+    texts, origin = filler_texts(config.filler, config.dataset, config.data_file)
+    script = SCRIPTS[config.question]
+    identity = {
+        "probe": PROBE, **config.identity(), "policy": inner.config(), "distance": str(distance),
+        "question": config.question, "script": asdict(script), "filler": origin,
+        "head_sets": None if config.heads is None else [part.strip() for part in config.heads.split(";")],
+        "layers": config.layers.strip(),
+    }
+    out = Path(out) if out is not None else default_out(
+        PROBE, config.model, config.policy, *config.out_parts(), f"d{distance}", config.question, f"s{config.seed}")
+    with RunDir(out, identity) as run, connected(backend):
+        lm = config.load_model()
+        n_layers, n_heads = lm.config.num_hidden_layers, lm.config.num_key_value_heads
+        sets = parse_head_sets(config.heads or _default_heads(n_heads), n_heads, lm.name)
+        layers = parse_layers(config.layers, n_layers, lm.name)
+        conditions = build_conditions(sets, layers, n_layers, n_heads)
+        probe = EvictionEngine(lm, PinnedFact(inner, (0, 0), torch.zeros(1, n_layers, n_heads)), eviction)
+        tokenizer = lm.tokenizer
+        stub = stub_ids(tokenizer)
+        layout = protocol_layout(base_layout(tokenizer, script, len(stub), config.lead, config.box), distance,
+                                 eviction, [probe.protect])
+        schedule = Schedule.of(eviction, probe.protect, len(stub))
+        room = schedule.budget - schedule.limit - schedule.recency
+        if room < config.box:
+            raise UsageError(f"--budget {config.budget} leaves {room} scored slots after the {schedule.limit} "
+                             f"protected prompt tokens and the recency window of {schedule.recency}, fewer than the "
+                             f"{config.box}-token fact box to pin; raise --budget")
+        builder = InstanceBuilder(tokenizer, script, texts, layout, config.seed, uses_var=True)
+        instances = [builder.build(i) for i in range(config.n)]
+        run.save_config(config=asdict(config), loaded_model=lm.describe(), engine=probe.describe(),
+                        layout=layout_record(layout), conditions=conditions.describe,
+                        backend=asdict(backend))
+        store = run.store("instances.jsonl", key="id")
+        units = [FactBatch(tuple(batch), tuple(instances[i] for i in batch), derive_seed(config.seed, batch))
+                 for batch in chunks(config.n, config.batch_size)
+                 if not all(instances[i].id in store for i in batch)]
+        plan = FactPlan(config, tuple(stub), layout, conditions)
+
+        def commit(unit: FactBatch, records: list[dict[str, Any]]) -> None:
+            for record in records:
+                if record["id"] not in store:
+                    store.append(record)
+
+        with tqdm(total=config.n, initial=sum(i.id in store for i in instances), unit="instance", file=sys.stderr,
+                  desc=PROBE, disable=not progress) as bar:
+            run_units(units, functools.partial(load_probe_worker, config), functools.partial(run_fact_batch, plan),
+                      backend, on_result=commit, progress=lambda unit, records: bar.update(len(records)),
+                      local_worker=ProbeWorker(lm, progress))
+
+        wanted = {inst.id for inst in instances}
+        records = sorted((r for r in store.records if r["id"] in wanted), key=lambda r: r["index"])
+        rows = condition_rows(records, [s.label for s in sets], conditions, config.n_boot, config.level, config.seed,
+                              config.protocol_record())
+        context = {"chance": CHANCE, "layout": layout_record(layout), "distance": str(distance),
+                   "fact_rounds": sorted({r["fact_rounds"] for r in records}), "n_instances": len(records),
+                   "deleted_retrieval": float(np.mean([r["conditions"][DELETED]["retrieved"] for r in records])),
+                   "protocol": config.protocol_record()}
+        write_summary(run.path, rows, context)
+    return ProbeResult(rows, layout, out, context)
+
+
+def condition_rows(records: list[dict], requested: list[str], conditions: Conditions, n_boot: int, level: float,
+                   seed: int, protocol: dict[str, Any]) -> list[ProbeRow]:
+    """One row per requested head set, then the kept / deleted references not among them, then the dense run; each
+    states the protocol and the peak cache slots per KV head (the dense run's: its whole context)."""
     def column(label: str, key: str) -> np.ndarray:
         source = (lambda r: r["full"]) if label == FULL else (lambda r: r["conditions"][label])
         return np.array([source(r)[key] for r in records], dtype=float)
@@ -376,12 +407,75 @@ def summary_rows(records: list[dict], requested: list[str], conditions: Conditio
     rows = []
     for label in [*shown, FULL]:
         info = conditions.describe.get(label, {"heads": "all", "n_heads": None, "layers": "all", "pairs": None})
-        stats = summarise(column(label, "retrieved"), column(label, "lp"), n_boot, level, seed, kept, deleted)
-        rows.append({"condition": label, **info, **stats, "held": float(column(label, "resident").mean())})
+        stats = retrieval_statistics(column(label, "retrieved"), column(label, "lp"), n_boot, level, seed, kept,
+                                     deleted)
+        rows.append(ProbeRow(id=label, probe=PROBE, condition=label, **stats,
+                             held=float(column(label, "resident").mean()),
+                             extra={**info, "protocol": None if label == FULL else protocol,
+                                    "peak_slots": int(column(label, "peak_slots").max())}))
     return rows
+
+
+def _default_heads(n_heads: int) -> str:
+    return ";".join(["none", *map(str, range(n_heads)), "all"])
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m probes.planted_fact",
+        description="Random Attention's planted-fact probe: plant 'Let zq = 4729.' in real reasoning text, "
+        "teacher-force it through the eviction engine's decode path with the fact kept in chosen KV heads only, "
+        "and measure whether the model still retrieves the value (retrieval, log p, graded recall R). The default "
+        f"model, {DEFAULT_PROBE_MODEL}, is SmolLM2-135M with each KV head duplicated per query head (the same "
+        "logits, 9 KV heads): per-head eviction then acts per query head, a finer-grained version of the paper's "
+        "experiment on a model with 8 KV heads.",
+    )
+    p.add_argument("--heads", default=None,
+                   help="KV head sets that keep the fact, ';'-separated: a comma list, 'all' or 'none', e.g. "
+                   f"'2,3,5;all' ({DEFAULT_PROBE_MODEL} has KV heads 0..8, one per query head; default: 'none', "
+                   "each single head, then 'all')")
+    p.add_argument("--layers", default="all",
+                   help="layers in which the chosen heads keep the fact: 'all' or a list like '0-9,20'; the fact is "
+                   "deleted from every head of the other layers (default: all)")
+    p.add_argument("--policy", default="random",
+                   help="eviction policy for everything else (any registered name, python -m evictor.policies; "
+                   "default: random)")
+    p.add_argument("--question", default="ask", choices=sorted(SCRIPTS),
+                   help="ask: 'What is the value of zq? zq =' (default); recall: 'Recall: zq =' (an easier copy task)")
+    p.add_argument("--distance", default="4",
+                   help="how far back the fact is: N (or Nr) eviction rounds that see the whole fact box as a "
+                   "candidate before the question is answered, or Nt filler tokens (default: 4)")
+    add_common_arguments(p, default_model=DEFAULT_PROBE_MODEL)
+    return p
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_arguments(PlantedFactConfig, args)
+    backend = BackendConfig.from_flags(vars(args))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        result = run_planted_fact(config, args.out, backend=backend)
+    except KeyboardInterrupt:
+        print("\ninterrupted; finished instances are saved; rerun the same command to resume", file=sys.stderr)
+        return 130
+    layout, context = result.layout, result.context
+    columns = [("condition", "head set", 12), ("n_heads", "heads", 5), ("layers", "layers", 8)]
+    print(format_table(result.rows, columns, graded=True))
+    print(f"\nchance: {CHANCE:.5f} for a blind 4-digit guess; empirical with the fact deleted everywhere: "
+          f"{context['deleted_retrieval']:.3f}. Fact box at positions {layout.box_start}..{layout.box_end - 1}, value "
+          f"at {layout.value_start}; {layout.gap} filler tokens between; rounds that saw the fact before the answer: "
+          f"{', '.join(map(str, context['fact_rounds']))}. held = fraction of (layer, KV head)s holding the value's "
+          "digits when it is predicted.")
+    print(f"written to {result.out}/ (instances.jsonl, summary.csv, summary.json, config.json)")
+    return 0
 
 
 main = main_guard(_run)
 
 if __name__ == "__main__":
+    from probes.planted_fact import main  # this module under its own name, so Ray workers unpickle its functions
+
     raise SystemExit(main())

@@ -1,5 +1,6 @@
-"""Passcode probe: policy parsing, the CLI on tiny models (files, resume, adding a policy, bad input), a SmolLM2 smoke
-run in which a recency window must lose the passcode that the dense run retrieves."""
+"""Passcode probe: policy parsing, the CLI on tiny models (files, resume, adding a policy, bad input), the library
+entry point, a SmolLM2 smoke run in which a recency window must lose the passcode that the dense run retrieves. The
+output-directory contract both probe CLIs share is tested in test_planted_fact.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictor.policy import policy_names
 from core.errors import UsageError
-from probes.passcode import main, parse_policies
+from core.schemas import ProbeRow, as_json
+from evictor.policy import policy_names
+from probes.passcode import PasscodeConfig, main, parse_policies, run_passcode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,15 +60,29 @@ def test_cli_runs_policies_and_adds_one_on_resume(tmp_path, data_dir, capsys):
     assert main(_cli(tmp_path, data_dir, "--policy", "random,h2o,recency")) == 0  # same run, one more policy
     records = (out / "instances.jsonl").read_text().splitlines()
     assert len(records) == 8
-    rows = json.loads((out / "summary.json").read_text())["rows"]
-    assert [r["condition"] for r in rows] == ["full", "random", "h2o", "recency"]
+    rows = [ProbeRow.from_json(r) for r in json.loads((out / "summary.json").read_text())["rows"]]
+    assert [r.condition for r in rows] == ["full", "random", "h2o", "recency"]
+    assert all(r.probe == "passcode" and r.id == r.condition and r.n == 2 and r.R is None for r in rows)
+    assert [r.extra["protection"] for r in rows] == ["-", "prompt", "sinks", "prompt"]
+    assert all(r.retrieval_lo <= r.retrieval <= r.retrieval_hi for r in rows)
     assert main(_cli(tmp_path, data_dir, "--policy", "random", "--rounds", "3")) == 2  # other settings: refused
-    assert "different settings" in capsys.readouterr().err
+    assert "rounds 2 (now 3)" in capsys.readouterr().err
+
+
+def test_library_returns_probe_rows(tmp_path, data_dir):
+    config = PasscodeConfig(model="tiny-llama", policies=("recency",), n=2, budget=128,
+                            protocol_settings={"buffer": 8}, lead=8, box=24,
+                            rounds=2, n_boot=100, data_file=os.path.join(data_dir, "math500.jsonl"))
+    result = run_passcode(config, tmp_path / "lib", progress=False)
+    assert [r.condition for r in result.rows] == ["full", "recency"] and result.rows[0].held == 1.0
+    assert json.loads((tmp_path / "lib" / "summary.json").read_text())["rows"] == as_json(result.rows)
+    with pytest.raises(UsageError, match="did you mean 'recency'"):
+        run_passcode(PasscodeConfig(policies=("recenc",)), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--policy", "h2o0"], "did you mean 'h2o'"),
-    (["--policy", "h2o", "--attention-source", "eager"], "--kernel eager"),
     (["--box", "8"], "--box 8 is too small"),
     (["--level", "1.5"], "--level"),
 ])
@@ -95,3 +111,63 @@ def test_smollm2_smoke_recency_loses_what_dense_retrieves(tmp_path, data_dir):
     assert rows["recency"]["held"] == 0.0 and rows["full"]["held"] == 1.0
     assert rows["full"]["retrieval"] == 1.0
     assert rows["recency"]["mean_lp"] < rows["full"]["mean_lp"] - 2.0
+
+
+def test_protocol_preset_is_recorded_with_the_peak_cache_and_sampling_is_refused(tmp_path, data_dir, capsys):
+    """--protocol epikv: a step trigger, no buffer, K counting only scored tokens, a recency window min(128, K/4) =
+    32 at K = 128; the rows state the resolved protocol (explicit flags marked) and the peak cache slots per head."""
+    argv = _cli(tmp_path, data_dir, "--model", "tiny-llama", "--policy", "recency", "--protocol", "epikv", "--protect",
+                "sinks")
+    del argv[argv.index("--buffer"):argv.index("--buffer") + 2]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = {r["condition"]: r for r in summary["rows"]}
+    protocol = rows["recency"]["protocol"]
+    assert (protocol["protocol"], protocol["trigger"], protocol["buffer"], protocol["budget_scope"]) == (
+        "epikv", "step", 0, "trace")
+    assert (protocol["recency"], protocol["recency_share"], protocol["explicit"]) == (128, 0.25, ["protect"])
+    assert "temperature" not in protocol and summary["protocol"] == protocol and rows["full"]["protocol"] is None
+    # K_eff = 128 scored + 4 sinks + a window of 32; the step trigger evicts as soon as one more token arrives
+    assert rows["recency"]["peak_slots"] == 128 + 4 + 32 + 1
+    assert rows["full"]["peak_slots"] == summary["layout"]["end"] - 1  # dense: the whole context but the last digit
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["identity"]["protocol"] == protocol
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "other"), "--temperature", "0.6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--temperature: the probes teacher-force every token" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance with two CPUs for the module (as in tests/test_backend.py)."""
+    ray = pytest.importorskip("ray", reason="the Ray backend needs pip install 'kvscope[ray]'")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             log_to_driver=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def test_two_ray_workers_write_the_serial_records_and_rows(local_ray, tmp_path, data_dir):
+    argv = _cli(tmp_path, data_dir, "--model", "tiny-llama", "--policy", "random,recency", "--n", "4",
+                "--batch-size", "2")
+    assert main([*argv, "--out", str(tmp_path / "serial")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "ray"), "--backend", "ray", "--workers", "2"]) == 0
+    records = {name: (tmp_path / name / "instances.jsonl").read_text().splitlines() for name in ("serial", "ray")}
+    assert len(records["ray"]) == 12 and records["ray"] == records["serial"]  # 3 runs x 4 instances, same order
+    rows = {name: json.loads((tmp_path / name / "summary.json").read_text())["rows"] for name in ("serial", "ray")}
+    assert rows["ray"] == rows["serial"]
+    assert json.loads((tmp_path / "ray" / "config.json").read_text())["backend"]["workers"] == 2
+
+
+def test_the_planted_fact_probe_on_two_ray_workers_writes_the_serial_records(local_ray, tmp_path, data_dir):
+    from probes.planted_fact import main as planted_main
+
+    argv = ["--model", "tiny-llama", "--heads", "0;all", "--n", "2", "--batch-size", "1", "--budget", "128",
+            "--buffer", "8", "--lead", "8", "--distance", "2", "--n-boot", "200", "--threads", "1",
+            "--data-file", os.path.join(data_dir, "math500.jsonl")]
+    assert planted_main([*argv, "--out", str(tmp_path / "serial")]) == 0
+    assert planted_main([*argv, "--out", str(tmp_path / "ray"), "--backend", "ray", "--workers", "2"]) == 0
+    for name in ("instances.jsonl", "summary.csv"):
+        assert (tmp_path / "ray" / name).read_text() == (tmp_path / "serial" / name).read_text()

@@ -26,15 +26,18 @@ def test_h2o_window_and_tova():
 def test_snapkv_max_pool_by_hand():
     # one query whose window sum is a spike at slots 1 and 4: kernel 3 spreads each to its neighbours
     attn = torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0]])[None, None]  # [batch, head, query, key]
-    pooled = att.snapkv_scores(attn, window=32, kernel=3)
+    pooled = att.snapkv_scores(attn, window=32, kernel=3, pooling="max")
     assert pooled.flatten().tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 0.0]
     # a padding slot carrying garbage does not leak into its real neighbours
     mask = torch.tensor([True] * 6 + [False])[None, None]
     garbage = attn.clone()
     garbage[..., 6] = 9.0
-    assert att.snapkv_scores(garbage, window=32, kernel=3, mask=mask)[..., :6].flatten().tolist() == [1, 1, 1, 2, 2, 2]
+    assert att.snapkv_scores(garbage, 32, 3, mask, "max")[..., :6].flatten().tolist() == [1, 1, 1, 2, 2, 2]
     with pytest.raises(ValueError, match="odd"):
-        att.max_pool_keys(pooled, 4)
+        att.pool_keys(pooled, 4)
+    # SnapKV's own average pooling divides by the kernel, edges included: (0 + 0 + 1) / 3 at slot 0
+    averaged = att.snapkv_scores(attn, window=32, kernel=3).flatten()
+    assert torch.allclose(averaged, torch.tensor([1, 1, 1, 2, 2, 2, 0.0]) / 3)
 
 
 def test_attention_entropies():
@@ -53,8 +56,8 @@ def test_attention_entropies():
 def test_r_kv_combination():
     importance = torch.tensor([0.5, 0.0])
     redundancy = torch.tensor([0.0, 1.0])
-    # lam .1: .1*.5 + .9*1 = .95; .1*0 + .9*0 = 0
-    assert torch.allclose(att.r_kv_scores(importance, redundancy, 0.1), torch.tensor([0.95, 0.0]))
+    # lam .1: .1*.5 - .9*0 = .05; .1*0 - .9*1 = -.9
+    assert torch.allclose(att.r_kv_scores(importance, redundancy, 0.1), torch.tensor([0.05, -0.9]))
 
 
 def test_fastcaote_weight():

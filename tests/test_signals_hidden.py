@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from core.errors import UsageError
 from models.hooks import capture
 from probes.signals.hidden import (
     EMA,
@@ -14,10 +15,11 @@ from probes.signals.hidden import (
     HiddenDiffStream,
     RollingStats,
     Smoother,
+    band_difference,
     band_score,
     hidden_diff,
     hidden_diffs,
-    resid_post_name,
+    hidden_state_name,
     smooth,
 )
 
@@ -74,6 +76,29 @@ def test_band_score_mean_is_eq1():
     g_b = torch.tensor([2.0, 2.0, 8.0])
     # rolling-2 means: a [1, 2, 4], b [2, 2, 5]
     assert band_score(g_a, g_b, smoothing="mean", window=2).tolist() == [-1.0, 0.0, -1.0]
+
+
+def test_band_difference_by_hand_on_tensors_and_arrays():
+    import numpy as np
+
+    # band A = layers with values [1, 2] and [3, 6] (mean [2, 4]); band B = [1, 1] -> [1, 3]
+    a1, a2, b1 = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([1.0, 1.0])
+    assert band_difference([a1, a2], [b1]).tolist() == [1.0, 3.0]
+    assert band_difference([], [b1]).tolist() == [-1.0, -1.0]  # an empty side contributes 0
+    assert band_difference([np.array([1.0, 2.0]), np.array([3.0, 6.0])], []).tolist() == [2.0, 4.0]
+    with pytest.raises(ValueError, match="at least one layer"):
+        band_difference([], [])
+
+
+def test_band_score_of_several_layers_averages_each_smoothed_layer():
+    g_a1, g_a2 = torch.tensor([[1.0, 3.0, 5.0]]), torch.tensor([[3.0, 1.0, 1.0]])
+    g_b = torch.tensor([[2.0, 2.0, 8.0]])
+    # rolling-2 means: a1 [1, 2, 4], a2 [3, 2, 1] -> band A [2, 2, 2.5]; b [2, 2, 5]
+    assert band_score([g_a1, g_a2], g_b, smoothing="mean", window=2).tolist() == [[0.0, 0.0, -2.5]]
+    stream = BandScore("mean", window=2)
+    parts = [stream.add([g_a1[:, i:i + 1], g_a2[:, i:i + 1]], [g_b[:, i:i + 1]]) for i in range(3)]
+    assert torch.cat(parts, 1).tolist() == [[0.0, 0.0, -2.5]]
+    assert band_score([], g_b, smoothing="mean", window=2).tolist() == [[-2.0, -2.0, -5.0]]
 
 
 @pytest.mark.parametrize("kind", ["raw", "mean", "ema", "z"])
@@ -145,11 +170,24 @@ def test_hidden_diff_stream_over_prefill_and_decode_matches_one_block(tiny_llama
         model(input_ids=ids[:, :5], cache=cache, use_cache=True)
         for t in range(5, ids.shape[1]):
             model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
-    with torch.no_grad(), capture(model, [resid_post_name(1), resid_post_name(3)]) as cap:
-        model(input_ids=ids)
+    with torch.no_grad():
+        hidden_states = model(input_ids=ids, output_hidden_states=True).hidden_states
     for layer in (1, 3):
-        expected = hidden_diffs(cap[resid_post_name(layer)])
+        expected = hidden_diffs(hidden_states[layer])  # EpiKV's h_l: output_hidden_states[l] = input of block l
         got = stream.diffs(layer)
         assert got.shape == (1, 12)
         assert torch.allclose(got, expected, atol=1e-5, equal_nan=True)
         assert math.isnan(got[0, 0]) and bool(torch.isfinite(got[0, 1:]).all())
+
+
+def test_hidden_state_hook_is_resid_pre_unless_told(tiny_llama):
+    assert hidden_state_name(10) == "blocks.10.hook_resid_pre"
+    assert hidden_state_name(10, "hook_resid_post") == "blocks.10.hook_resid_post"
+    with pytest.raises(UsageError, match="hook_resid_pre"):
+        hidden_state_name(10, "hook_resid_mid")
+    ids = torch.arange(20, 28)[None]
+    post = HiddenDiffStream([1], hook="hook_resid_post")
+    with torch.no_grad(), capture(tiny_llama.model, post.names, callback=post.callback):
+        hidden_states = tiny_llama.model(input_ids=ids, output_hidden_states=True).hidden_states
+    # the block's output is the next block's input: one layer deeper than h_l
+    assert torch.allclose(post.diffs(1), hidden_diffs(hidden_states[2]), atol=1e-5, equal_nan=True)

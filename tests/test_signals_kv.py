@@ -10,11 +10,12 @@ import torch
 from probes.signals.kv import (
     LagNormaliser,
     cosine_distance_to_mean,
+    cosine_to_mean,
     distance_to_mean,
     head_dim_variance,
     lag_normalised_variance,
     masked_mean,
-    mean_cosine_to_others,
+    rkv_redundancy,
     value_range,
     vector_norm,
 )
@@ -64,16 +65,44 @@ def test_vector_norm_and_half_precision_is_upcast():
     assert norms.tolist() == [5.0, 1.0]
 
 
-def test_mean_cosine_to_others_by_hand():
-    keys = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
-    # k0: cos to k1 = 0, to k2 = 1 -> 0.5; k1: 0 and 0 -> 0; k2: 1 and 0 -> 0.5
-    assert torch.allclose(mean_cosine_to_others(keys), torch.tensor([0.5, 0.0, 0.5]))
-    # scoring only k1 against a cache that also holds a padding slot: others are k0, k2 -> 0
-    cache = torch.cat([keys, torch.tensor([[0.0, 9.0]])])
-    mask = torch.tensor([True, True, True, False])
-    assert torch.allclose(mean_cosine_to_others(keys[1:2], cache, mask), torch.tensor([0.0]))
-    # with the padding slot counted as real, k1 has one identical direction among 3 others -> 1/3
-    assert torch.allclose(mean_cosine_to_others(keys[1:2], cache), torch.tensor([1 / 3]))
+def test_cosine_to_the_mean_of_unit_vectors_keydiff_anchor():
+    # raw mean (2.75, .75) is dominated by the long key; the unit mean is ((1 + 0 + 0 + .7071) / 4, (0 + 1 + 1 +
+    # .7071) / 4) = (.4268, .6768), |.| = .8001
+    keys = torch.tensor([[10.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0]])
+    r = 1 / math.sqrt(2)
+    anchor = torch.tensor([(1 + r) / 4, (2 + r) / 4])
+    expected = torch.tensor([anchor[0], anchor[1], anchor[1], r * (anchor[0] + anchor[1])]) / anchor.norm()
+    assert torch.allclose(cosine_to_mean(keys, unit_mean=True), expected, atol=1e-6)  # .533 .846 .846 .975
+    raw = cosine_to_mean(keys)  # (1, 0) . (2.75, .75) / 2.85 = .965: the two anchors rank key 0 differently
+    assert raw.argmin() == 1 and cosine_to_mean(keys, unit_mean=True).argmin() == 0
+    # a padding slot of the reference set does not move the anchor
+    padded = torch.cat([keys, torch.tensor([[0.0, -50.0]])])
+    mask = torch.tensor([True] * 4 + [False])
+    assert torch.allclose(cosine_to_mean(keys, padded, mask, unit_mean=True), expected, atol=1e-6)
+
+
+# k0 = k1 point the same way, k2 is orthogonal to them, k3 = (.6, .8) sits in between. Cosines (diagonal 0):
+# C01 = 1, C02 = 0, C03 = .6, C12 = 0, C13 = .6, C23 = .8. Above .5, each key's most recent duplicate is exempt:
+# rows 0, 1, 2 drop their entry for k3, row 3 drops k2. Column sums: c0 = C10 + C30 = 1.6, c1 = 1.6, c2 = c3 = 0.
+R_KV_KEYS = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+
+
+def test_rkv_redundancy_by_hand():
+    column_mean = torch.tensor([1.6, 1.6, 0.0, 0.0]) / 4
+    expected = column_mean.exp() / column_mean.exp().sum()  # .2993 .2993 .2007 .2007
+    assert torch.allclose(rkv_redundancy(R_KV_KEYS), expected, atol=1e-6)
+    assert rkv_redundancy(R_KV_KEYS).sum().item() == pytest.approx(1.0)
+    # without the exemption (threshold above every cosine) it is the plain mean cosine: k3 is the most redundant
+    plain = torch.tensor([1.6, 1.6, 0.8, 2.0]) / 4
+    assert torch.allclose(rkv_redundancy(R_KV_KEYS, threshold=1.0), plain.softmax(-1), atol=1e-6)
+
+
+def test_rkv_redundancy_ignores_padding_slots():
+    padded = torch.cat([R_KV_KEYS, torch.tensor([[1.0, 0.0]])])  # a padding slot that would duplicate k0
+    mask = torch.tensor([True] * 4 + [False])
+    got = rkv_redundancy(padded, mask)
+    assert torch.allclose(got[:4], rkv_redundancy(R_KV_KEYS), atol=1e-6) and got[4] == 0
+    assert torch.equal(rkv_redundancy(padded, torch.zeros(5, dtype=torch.bool)), torch.zeros(5))
 
 
 def test_head_dim_variance_and_value_range():

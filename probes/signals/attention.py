@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SNAPKV_WINDOW = 32
-SNAPKV_KERNEL = 7
+SNAPKV_WINDOW = 32  # FasterDecoding/SnapKV: observation window of 32 queries (init_snapkv's default)
+SNAPKV_KERNEL = 5  # ... pooled with an average over 5 neighbouring keys
+POOLINGS = ("avg", "max")
 
 
 def cumulative_attention(attn: torch.Tensor) -> torch.Tensor:
@@ -29,24 +30,48 @@ def last_query_attention(attn: torch.Tensor) -> torch.Tensor:
     return attn[..., -1, :].float()
 
 
-def max_pool_keys(scores: torch.Tensor, kernel: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Max over each key's `kernel` neighbours in slot order (odd kernel, centred); padding slots count as 0.
+def candidate_attention(attn: torch.Tensor, window: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the last `window` queries of each query's attention renormalised over the real keys given.
 
-    Attention scores are non-negative, so a padding slot never raises a real neighbour's pooled score.
+    This is a softmax restricted to the scored keys, as R-KV (softmax over all keys but its observation window) and
+    VaSE (softmax over the eviction candidates) compute it; a query that gives the keys no mass contributes 0.
     """
-    if kernel % 2 == 0:
-        raise ValueError(f"max-pool kernel must be odd, got {kernel}")
+    a = attn[..., -window:, :].float()
+    if mask is not None:
+        a = a.masked_fill(~mask[..., None, :], 0.0)
+    return (a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)).mean(-2)
+
+
+def pool_keys(
+    scores: torch.Tensor, kernel: int, mask: torch.Tensor | None = None, pooling: str = "avg"
+) -> torch.Tensor:
+    """Pool each key's score over its `kernel` neighbours in slot order (odd kernel, centred).
+
+    Padding slots (and the edges) count as 0, and "avg" always divides by `kernel`, as ``F.avg_pool1d`` does with
+    its default ``count_include_pad=True`` in SnapKV and VaSE. Scores are non-negative, so a padding slot never
+    raises a real neighbour's max.
+    """
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be a positive odd number, got {kernel}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; valid choices: {', '.join(POOLINGS)}")
     if mask is not None:
         scores = scores.masked_fill(~mask, 0.0)
-    flat = scores.reshape(-1, 1, scores.shape[-1])
-    return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(scores.shape)
+    flat = scores.float().reshape(-1, 1, scores.shape[-1])
+    pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+    return pool(flat, kernel, stride=1, padding=kernel // 2).reshape(scores.shape)
 
 
 def snapkv_scores(
-    attn: torch.Tensor, window: int = SNAPKV_WINDOW, kernel: int = SNAPKV_KERNEL, mask: torch.Tensor | None = None
+    attn: torch.Tensor,
+    window: int = SNAPKV_WINDOW,
+    kernel: int = SNAPKV_KERNEL,
+    mask: torch.Tensor | None = None,
+    pooling: str = "avg",
 ) -> torch.Tensor:
-    """SnapKV: attention from the last `window` queries, summed, then max-pooled over neighbouring keys."""
-    return max_pool_keys(window_attention(attn, window), kernel, mask)
+    """SnapKV: attention from the last `window` queries, summed, then pooled over neighbouring keys (average over 5
+    in the original repository, ``SnapKVCluster.update_kv``)."""
+    return pool_keys(window_attention(attn, window), kernel, mask, pooling)
 
 
 def attention_entropy(attn: torch.Tensor) -> torch.Tensor:
@@ -66,8 +91,12 @@ def received_attention_entropy(attn: torch.Tensor) -> torch.Tensor:
 
 
 def r_kv_scores(importance: torch.Tensor, redundancy: torch.Tensor, lam: float) -> torch.Tensor:
-    """R-KV: ``lam * importance + (1 - lam) * (1 - redundancy)`` (redundancy = mean cosine to the other keys)."""
-    return lam * importance + (1.0 - lam) * (1.0 - redundancy)
+    """R-KV's final score, ``lam * importance - (1 - lam) * redundancy`` (``R1KV.update_kv``).
+
+    Both terms are distributions over the scored keys (pooled attention; a softmax of the redundancy,
+    `probes.signals.kv.rkv_redundancy`), so they share a scale of 1/N and lam weighs them as the authors intend.
+    """
+    return lam * importance.float() - (1.0 - lam) * redundancy.float()
 
 
 def fastcaote_scores(alpha: torch.Tensor, value_distance: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,20 +125,26 @@ def longflow_contribution(alpha: torch.Tensor, values: torch.Tensor) -> torch.Te
 
 
 def vase_scores(
-    value_range: torch.Tensor, weights: torch.Tensor, n_large: int, uniform: torch.Tensor, mask: torch.Tensor
+    value_range: torch.Tensor,
+    weights: torch.Tensor,
+    n_large: int,
+    uniform: torch.Tensor,
+    mask: torch.Tensor,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VaSE as one score per key, so that a plain top-K reproduces its two-stage selection.
 
-    The `n_large` real keys with the largest value range score ``1 + range`` (above everything else); the others score
-    ``log(u) / w`` with ``u ~ Uniform(0, 1]`` given in `uniform` and w their (SnapKV) weight, which is <= 0: the top-k
-    of these keys is a sample of k without replacement with probability proportional to w (Efraimidis-Spirakis), and a
-    weight of 0 ranks below every positive weight.
+    The `n_large` real keys with the largest value range, `pinned` keys first (VaSE's sinks), score ``1 + range``
+    (above everything else); the others score ``log(u) / w`` with ``u ~ Uniform(0, 1]`` given in `uniform` and w
+    their attention weight, which is <= 0: the top-k of these keys is a sample of k without replacement with
+    probability proportional to w (Efraimidis-Spirakis), and a weight of 0 ranks below every positive weight.
     """
     n_large = min(int(n_large), value_range.shape[-1])
     ranges = value_range.float()
     large = torch.zeros_like(mask)
     if n_large > 0:
-        top = ranges.masked_fill(~mask, float("-inf")).topk(n_large, dim=-1).indices
+        rank = ranges if pinned is None else ranges.masked_fill(pinned, float("inf"))
+        top = rank.masked_fill(~mask, float("-inf")).topk(n_large, dim=-1).indices
         large = large.scatter(-1, top, True) & mask
     sampled = torch.log(uniform.float()) / weights.float().clamp_min(1e-30)
     return torch.where(large, 1.0 + ranges, sampled)

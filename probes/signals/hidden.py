@@ -2,8 +2,11 @@
 
 Definitions used throughout kvscope:
 
-- ``h_l(t)`` is the canonical hook ``blocks.{l}.hook_resid_post`` at position t: the output of decoder layer l, before
-  any final norm (layer 0 is the first decoder layer; the embeddings are not a layer).
+- ``h_l(t)`` is, by default, the canonical hook ``blocks.{l}.hook_resid_pre`` at position t: the input of decoder
+  layer l, which is HF's ``output_hidden_states[l]`` and so EpiKV's h_l (layer 0 reads the embeddings; the last
+  layer's output is never read). ``hook_resid_post`` (the output of layer l, before any final norm, i.e.
+  ``output_hidden_states[l + 1]``, one layer deeper than the paper's h_l) is the other convention, selectable wherever
+  a hook is taken.
 - ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, computed in float32 whatever the model dtype. Position 0 of a sequence has no
   predecessor: per-position arrays keep it, as NaN, so index i is always token position i.
 - Every smoother is causal: its value at t reads only positions <= t, so a token's score is frozen the step it is
@@ -16,9 +19,13 @@ The streaming classes share one interface: ``add(values[batch, new]) -> [batch, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from core.errors import unknown_choice
+from models.hooks import RESID_HOOKS, hook_name
 
 # EpiKV's two bands: Band A (positive rho) is read at layer 10, Band B (negative rho) at layer 21 (eq. 1).
 DEFAULT_BAND_LAYERS = (10, 21)
@@ -27,9 +34,18 @@ DEFAULT_EPS = 1e-6
 SMOOTHINGS = ("raw", "mean", "ema", "z")
 
 
-def resid_post_name(layer: int) -> str:
-    """The hook that defines h_l."""
-    return f"blocks.{layer}.hook_resid_post"
+DEFAULT_HIDDEN_HOOK = "hook_resid_pre"  # EpiKV §3.2: h_l = output_hidden_states[l], the input of block l
+
+
+def check_hidden_hook(hook: str) -> str:
+    if hook not in RESID_HOOKS:
+        raise unknown_choice("hidden-state hook", hook, RESID_HOOKS)
+    return hook
+
+
+def hidden_state_name(layer: int, hook: str = DEFAULT_HIDDEN_HOOK) -> str:
+    """The hook name whose output is h_l: ``blocks.{layer}.hook_resid_pre`` by default."""
+    return hook_name(layer, check_hidden_hook(hook))
 
 
 def hidden_diff(prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
@@ -164,26 +180,59 @@ class Smoother:
             self._impl.load_state_dict(state["impl"])
 
 
-class BandScore:
-    """EpiKV's two-band score, streamed: eq. 1 ``mean g_A - mean g_B`` (smoothing="mean") or ``z_A - z_B`` ("z").
+def band_difference(positive: Sequence[Any], negative: Sequence[Any]) -> Any:
+    """EpiKV's two-band combination, the one place it is written: ``mean(positive) - mean(negative)``, each side the
+    per-layer values of one band (tensors or arrays of one shape, already smoothed); an empty side contributes 0 (a
+    one-band score). Eq. 1 is ``positive = [mean-smoothed g_10]``, ``negative = [mean-smoothed g_21]``; eq. 2 the
+    same with rolling z-scores; a band of several layers averages them (the "band mean" variant)."""
+    if not positive and not negative:
+        raise ValueError("a band score needs at least one layer")
 
-    ``add(g_a[batch, new], g_b[batch, new]) -> [batch, new]``; high scores mark tokens to keep.
+    def side(values: Sequence[Any]) -> Any:
+        return sum(values[1:], values[0]) / len(values) if values else 0.0
+
+    return side(list(positive)) - side(list(negative))
+
+
+class BandScore:
+    """EpiKV's two-band score, streamed: each layer's g smoothed causally (smoothing="mean": eq. 1, "z": eq. 2), then
+    `band_difference` of the two bands.
+
+    ``add(positive, negative) -> [batch, new]``: each side one ``[batch, new]`` tensor (a one-layer band) or a
+    sequence of them (one per layer of the band, the same layers in the same order at every call); high scores mark
+    tokens to keep. NaN inputs (a sequence's first position, left padding) are skipped by the smoothers.
     """
 
     def __init__(self, smoothing: str = "z", window: int = DEFAULT_WINDOW, alpha: float = 0.9,
                  eps: float = DEFAULT_EPS):
-        self.a = Smoother(smoothing, window, alpha, eps)
-        self.b = Smoother(smoothing, window, alpha, eps)
+        self.settings = (smoothing, window, alpha, eps)
+        Smoother(*self.settings)  # refuse a bad smoothing now, not at the first add
+        self.smoothers: dict[tuple[str, int], Smoother] = {}  # (band, index in the band) -> that layer's smoother
 
-    def add(self, g_a: torch.Tensor, g_b: torch.Tensor) -> torch.Tensor:
-        return self.a.add(g_a) - self.b.add(g_b)
+    def add(self, positive: torch.Tensor | Sequence[torch.Tensor],
+            negative: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        bands = {"positive": _layers_of(positive), "negative": _layers_of(negative)}
+        smoothed = {band: [self._smoother(band, i).add(g) for i, g in enumerate(values)]
+                    for band, values in bands.items()}
+        return band_difference(smoothed["positive"], smoothed["negative"])
+
+    def _smoother(self, band: str, index: int) -> Smoother:
+        key = (band, index)
+        if key not in self.smoothers:
+            self.smoothers[key] = Smoother(*self.settings)
+        return self.smoothers[key]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"a": self.a.state_dict(), "b": self.b.state_dict()}
+        return {f"{band}.{index}": smoother.state_dict() for (band, index), smoother in self.smoothers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.a.load_state_dict(state["a"])
-        self.b.load_state_dict(state["b"])
+        for name, value in state.items():
+            band, index = name.split(".")
+            self._smoother(band, int(index)).load_state_dict(value)
+
+
+def _layers_of(values: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [values] if isinstance(values, torch.Tensor) else list(values)
 
 
 def smooth(x: torch.Tensor, kind: str = "mean", window: int = DEFAULT_WINDOW, alpha: float = 0.9,
@@ -194,23 +243,31 @@ def smooth(x: torch.Tensor, kind: str = "mean", window: int = DEFAULT_WINDOW, al
     return out[0] if x.dim() == 1 else out
 
 
-def band_score(g_a: torch.Tensor, g_b: torch.Tensor, smoothing: str = "z", window: int = DEFAULT_WINDOW,
-               alpha: float = 0.9, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Offline eq. 1 / z version over whole ``[batch, pos]`` (or ``[pos]``) sequences."""
-    return smooth(g_a, smoothing, window, alpha, eps) - smooth(g_b, smoothing, window, alpha, eps)
+def band_score(positive: torch.Tensor | Sequence[torch.Tensor], negative: torch.Tensor | Sequence[torch.Tensor],
+               smoothing: str = "z", window: int = DEFAULT_WINDOW, alpha: float = 0.9,
+               eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """`BandScore` over whole sequences: each side one g tensor ``[batch, pos]`` (or ``[pos]``) or a sequence of
+    them, one per layer of the band."""
+    pos, neg = _layers_of(positive), _layers_of(negative)
+    one_dim = (pos or neg)[0].dim() == 1
+    batched = [[g[None] if one_dim else g for g in side] for side in (pos, neg)]
+    out = BandScore(smoothing, window, alpha, eps).add(*batched)
+    return out[0] if one_dim else out
 
 
 class HiddenDiffStream:
-    """Collects g_l for chosen layers from ``models.hooks.capture(..., callback=stream.callback)``.
+    """Collects g_l for chosen layers from ``models.hooks.capture(..., callback=stream.callback)``, h_l read at
+    `hook` (``hook_resid_pre`` unless told otherwise).
 
     Each forward (prefill, then one decode step at a time) contributes its positions; the last h_l is kept so the
     first position of a decode step is differenced against the previous step, not dropped. Nothing but the last
     hidden state per layer and the scalar g values is kept.
     """
 
-    def __init__(self, layers: list[int]):
+    def __init__(self, layers: list[int], hook: str = DEFAULT_HIDDEN_HOOK):
         self.layers = list(layers)
-        self._by_name = {resid_post_name(layer): layer for layer in self.layers}
+        self.hook = check_hidden_hook(hook)
+        self._by_name = {hidden_state_name(layer, hook): layer for layer in self.layers}
         self._last: dict[int, torch.Tensor] = {}  # layer -> [batch, d]
         self._parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
 

@@ -8,8 +8,9 @@ Which paper score each function is:
 
 - `vector_norm` of keys: KeyNorm (Devoto et al. 2024; keep LOW norms); of values: ValueDiff-Norm (ValueDiff §3.2).
 - `distance_to_mean` of keys: ManifoldKV (Euclidean distance from the key centroid); of values: ValueDiff (eq. 4).
-- `cosine_distance_to_mean` of keys: KeyDiff (cosine distance from the mean key); of values: ValueDiff-Dir (§3.2).
-- `mean_cosine_to_others` of keys: R-KV's redundancy c_i (Random Attention notes §3.1 table).
+- `cosine_to_mean` of keys with ``unit_mean``: KeyDiff (cosine to the mean of the normalised keys; keep LOW);
+  `cosine_distance_to_mean` of values: ValueDiff-Dir (§3.2, 1 - cos to the plain mean).
+- `rkv_redundancy` of keys: R-KV's redundancy (softmax of the mean cosine to the other keys, newest duplicate exempt).
 - `head_dim_variance`: EpiKV's KV-key / KV-val statistic (§3.3, before the rolling mean).
 - `value_range`: VaSE's max_j v_ij - min_j v_ij (Random Attention notes §3.1 table).
 - `LagNormaliser` / `lag_normalised_variance`: EpiKV's Lag-KV (§3.3), the causal form of LagKV's normalisation.
@@ -52,32 +53,48 @@ def distance_to_mean(
     return torch.linalg.vector_norm(_as_float(x) - anchor[..., None, :], dim=-1)
 
 
+def cosine_to_mean(
+    x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None, *, unit_mean: bool = False
+) -> torch.Tensor:
+    """``cos(x_j, anchor)`` with anchor the mean of `ref` (default: x) over its real slots; with `unit_mean` the mean
+    of the L2-normalised ref vectors (KeyDiff's anchor). A zero vector (no direction) has cosine 0."""
+    ref = x if ref is None else ref
+    anchor = masked_mean(F.normalize(_as_float(ref), dim=-1) if unit_mean else ref, ref_mask)
+    return F.cosine_similarity(_as_float(x), anchor[..., None, :].expand_as(x), dim=-1, eps=1e-12)
+
+
 def cosine_distance_to_mean(
     x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``1 - cos(x_j, mean(ref))`` in [0, 2]; a zero vector (no direction) counts as orthogonal, distance 1."""
-    anchor = masked_mean(x if ref is None else ref, ref_mask)
-    return 1.0 - F.cosine_similarity(_as_float(x), anchor[..., None, :].expand_as(x), dim=-1, eps=1e-12)
+    return 1.0 - cosine_to_mean(x, ref, ref_mask)
 
 
-def mean_cosine_to_others(
-    x: torch.Tensor, ref: torch.Tensor | None = None, ref_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """R-KV redundancy ``c_i = 1/(N-1) sum_{j != i} cos(x_i, r_j)`` over the N real slots of `ref` (default: x).
+def rkv_redundancy(keys: torch.Tensor, mask: torch.Tensor | None = None, threshold: float = 0.5) -> torch.Tensor:
+    """R-KV's redundancy of each key among the N real ones given, ``[..., n, d] -> [..., n]``, a distribution.
 
-    Each x_i must itself be one of the ref slots (candidates are resident), so its self-similarity is removed from the
-    sum; ``[..., n, d] x [..., m, d] -> [..., n]`` through an ``[..., n, m]`` similarity matrix.
+    With ``C_ij = cos(k_i, k_j)`` (``C_ii = 0``), every key i exempts its most recent duplicate: the slot j != i
+    with the largest index among those with ``C_ij > threshold`` gets ``C_ij = 0`` (so the newest copy of a
+    restated thought is not penalised for i). Then ``c_j = (1/N) sum_i C_ij`` and the result is ``softmax_j(c)``
+    over the real keys (0 on padding). Slots are in position order, so "largest index" is "most recent".
+    This is ``cal_similarity(retain_direction="last")`` of the authors' repository (Zefan-Cai/R-KV), except that a
+    key with no duplicate exempts nothing (the reference then zeroes its similarity to slot 0).
     """
-    unit = F.normalize(_as_float(x), dim=-1)
-    ref_unit = unit if ref is None else F.normalize(_as_float(ref), dim=-1)
-    sims = unit @ ref_unit.transpose(-1, -2)  # [..., n, m]
-    if ref_mask is None:
-        total, count = sims.sum(-1), torch.full_like(sims[..., 0], sims.shape[-1])
-    else:
-        weight = ref_mask.to(sims.dtype)[..., None, :]
-        total, count = (sims * weight).sum(-1), weight.sum(-1).expand_as(sims[..., 0])
-    self_sim = (unit * unit).sum(-1)  # 1, or 0 for a zero vector
-    return (total - self_sim) / (count - 1).clamp_min(1)
+    unit = F.normalize(_as_float(keys), dim=-1)
+    sims = unit @ unit.transpose(-1, -2)  # [..., n, n]
+    n = sims.shape[-1]
+    pair = ~torch.eye(n, dtype=torch.bool, device=sims.device)
+    if mask is not None:
+        pair = pair & mask[..., :, None] & mask[..., None, :]
+    sims = sims.masked_fill(~pair, 0.0)
+    index = torch.arange(n, device=sims.device)
+    newest = torch.where(pair & (sims > threshold), index, -1).amax(-1, keepdim=True)  # [..., n, 1], -1: none
+    sims = sims.masked_fill((index == newest) & (newest >= 0), 0.0)
+    count = torch.full_like(sims[..., 0, 0], n) if mask is None else mask.sum(-1).to(sims.dtype)
+    column_mean = sims.sum(-2) / count.clamp_min(1)[..., None]
+    if mask is not None:
+        column_mean = column_mean.masked_fill(~mask, float("-inf"))
+    return torch.nan_to_num(column_mean.softmax(-1))  # a sequence with no real key: all zeros
 
 
 def head_dim_variance(x: torch.Tensor) -> torch.Tensor:
