@@ -1,26 +1,30 @@
-"""The notebooks: committed without outputs, in sync with their generator, and runnable end to end on a tiny model.
+"""The notebooks: each a percent-format script paired with a notebook committed without outputs, both in step, and
+runnable end to end on a tiny model.
 
-Each notebook is executed with papermill on `tiny-llama` (random init, built in-process) with tiny limits injected
-into its `parameters` cell, into a temporary out_dir; the test checks it ran without error and wrote each expected
-figure as a non-empty PNG and PDF. A random-init model never states an answer, so occlusion labelling would skip
-every trace: layer_anatomy is given hand-made traces and labels instead (labelling has its own tests).
+``notebooks/<name>.py`` is the source (jupytext percent format); ``notebooks/<name>.ipynb`` is what Jupyter opens and
+must say the same (`jupytext --sync notebooks/*.py` rewrites it). Each notebook is executed with papermill on
+`tiny-llama` (random init, built in-process) with tiny limits injected after its `parameters` cell, into a temporary
+out_dir; the test checks it ran without error and wrote each expected figure as a non-empty PNG and PDF. A
+random-init model never states an answer, so occlusion labelling would skip every trace: layer_anatomy is given
+hand-made traces and labels instead (labelling has its own tests).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import os
 import random
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from core.schemas import Label, Trace
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+SCRIPTS = sorted(NOTEBOOK_DIR.glob("*.py"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CELL_TIMEOUT_S = 240
 
@@ -57,7 +61,7 @@ def tiny_parameters(name: str, tmp: Path) -> dict:
                 "max_new_tokens": 8, "gap_budget": 4}
     if name == "eviction_budgets":
         return {**common, **evict, "limit": 2, "max_new_tokens": 10, "policies": ["random", "valuediff"],
-                "budgets": [2, 4], "batch_size": 2, "compare": ["valuediff", "random"], "n_boot": 200}
+                "budgets": [2, 4], "batch_size": 2, "compare_policies": ["valuediff", "random"], "n_boot": 200}
     if name == "planted_fact_passcode":
         return {**common, "head_sets": "0;1", "n": 2, "budget": 96, "buffer": 4, "distance": "1", "lead": 8,
                 "box": 24, "dataset": "gsm8k", "data_file": str(data_file), "batch_size": 2, "n_boot": 100,
@@ -69,27 +73,28 @@ def tiny_parameters(name: str, tmp: Path) -> dict:
 
 
 def synthetic_labelled_traces(tmp: Path, n_traces: int = 6, prompt_len: int = 6, gen_len: int = 40):
-    """Traces of random byte tokens and occlusion-style labels: prompt 1, reasoning a mix of 0 and 1."""
+    """Trace and Label records of random byte tokens: prompt labelled 1, reasoning a mix of 0 and 1."""
     rng = random.Random(0)
     traces, labels = tmp / "traces.jsonl", tmp / "labels.jsonl"
     with traces.open("w") as t, labels.open("w") as lab:
         for i in range(n_traces):
             ids = [rng.randrange(0, 256) for _ in range(prompt_len + gen_len)]
-            t.write(json.dumps({"id": f"t{i}", "dataset": "gsm8k", "model": "tiny-llama", "correct": True,
-                                "prompt_ids": ids[:prompt_len], "generated_ids": ids[prompt_len:]}) + "\n")
+            trace = Trace(id=f"t{i}", dataset="gsm8k", model="tiny-llama", correct=True,
+                          prompt_ids=ids[:prompt_len], generated_ids=ids[prompt_len:])
             answer_start = prompt_len + gen_len - 8
             reasoning = [rng.randrange(2) for _ in range(answer_start - prompt_len)]
             reasoning[:2] = [0, 1]  # both values in every trace: each one counts towards n_eff
-            lab.write(json.dumps({"trace_id": f"t{i}", "status": "labelled", "correct": True,
-                                  "reasoning_start": prompt_len, "answer_start": answer_start,
-                                  "positions": list(range(answer_start)),
-                                  "labels": [1] * prompt_len + reasoning}) + "\n")
+            label = Label(id=f"t{i}", dataset="gsm8k", model="tiny-llama", status="labelled", correct=True,
+                          reasoning_start=prompt_len, answer_start=answer_start, positions=list(range(answer_start)),
+                          labels=[1] * prompt_len + reasoning)
+            t.write(json.dumps(trace.to_json()) + "\n")
+            lab.write(json.dumps(label.to_json()) + "\n")
     return traces, labels
 
 
-def test_every_notebook_has_a_tiny_configuration():
+def test_every_notebook_is_a_pair_with_a_tiny_configuration():
     assert NOTEBOOKS, "no notebooks found"
-    assert {p.stem for p in NOTEBOOKS} == set(EXPECTED_FIGURES)
+    assert {p.stem for p in NOTEBOOKS} == {p.stem for p in SCRIPTS} == set(EXPECTED_FIGURES)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -107,34 +112,24 @@ def test_committed_notebook_has_no_outputs(path):
         assert cell.execution_count is None, f"cell {cell.id} has an execution count"
 
 
-def test_notebooks_match_their_generator(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_notebooks", NOTEBOOK_DIR / "make_notebooks.py")
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
-    for generated in generator.write_all(tmp_path):
-        committed = NOTEBOOK_DIR / generated.name
-        assert committed.exists(), f"{generated.name} is generated but not committed"
-        assert generated.read_text() == committed.read_text(), (
-            f"{committed.name} differs from notebooks/make_notebooks.py; edit the generator and rerun it")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_in_step_with_its_script(path):
+    jupytext = pytest.importorskip("jupytext")
+    script = path.with_suffix(".py")
+    assert jupytext.writes(jupytext.read(path), fmt="py:percent") == script.read_text(), (
+        f"{path.name} differs from {script.name}; run `jupytext --sync notebooks/{script.name}`")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_on_tiny_model(path, tmp_path):
+def test_notebook_runs_on_tiny_model(path, tmp_path, monkeypatch):
     papermill = pytest.importorskip("papermill")
     parameters = tiny_parameters(path.stem, tmp_path)
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
-    previous = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
-        papermill.execute_notebook(str(path), str(tmp_path / path.name), parameters=parameters,
-                                   kernel_name="python3", cwd=str(ROOT), execution_timeout=CELL_TIMEOUT_S,
-                                   progress_bar=False)
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    # The kernel inherits this process's environment.
+    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    # The notebook's own folder is the working directory, as when Jupyter opens it.
+    papermill.execute_notebook(str(path), str(tmp_path / path.name), parameters=parameters, kernel_name="python3",
+                               cwd=str(NOTEBOOK_DIR), execution_timeout=CELL_TIMEOUT_S, progress_bar=False)
     figures = Path(parameters["out_dir"]) / "figures"
     for stem in EXPECTED_FIGURES[path.stem]:
         png, pdf = figures / f"{stem}.png", figures / f"{stem}.pdf"
