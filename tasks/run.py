@@ -39,6 +39,7 @@ from core.cli import (
     unit_interval,
     write_json,
 )
+from core.errors import UsageError
 from core.rundir import RunDir
 from core.schemas import Trace
 from core.seeds import derive_seed
@@ -60,6 +61,7 @@ class GenerationConfig:
     seed: int = 0
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available
+    problem_ids: tuple[str, ...] | None = None  # only these of the first `limit` problems (None: all of them)
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> GenerationConfig:
@@ -72,7 +74,8 @@ class GenerationConfig:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
     def identity(self) -> dict[str, Any]:
-        """The settings that change what a record contains (not `limit`, not `device`): a resume must match them."""
+        """The settings that change what a record contains (not `limit`, `problem_ids` or `device`): a resume must
+        match them."""
         source = resolve_source(self.dataset, self.data_file, tokenizer=self.model)
         return {
             "model": self.model,
@@ -85,7 +88,15 @@ class GenerationConfig:
 
     def problems(self) -> list[Problem]:
         """The problems to run; generated (RULER) contexts are measured with this model's tokenizer."""
-        return load_problems(self.dataset, data_file=self.data_file, limit=self.limit, tokenizer=self.model)
+        problems = load_problems(self.dataset, data_file=self.data_file, limit=self.limit, tokenizer=self.model)
+        if self.problem_ids is None:
+            return problems
+        wanted = set(self.problem_ids)
+        missing = sorted(wanted - {p.id for p in problems})
+        if missing:
+            raise UsageError(f"problem id(s) {', '.join(missing[:5])} are not among the first {len(problems)} "
+                             f"problems of {self.dataset}")
+        return [p for p in problems if p.id in wanted]
 
 
 def graded_trace(

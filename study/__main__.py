@@ -1,0 +1,169 @@
+"""``python -m study``: the whole kvscope loop in one command, into one directory with a self-contained report.
+
+    python -m study --model smollm2-135m --dataset gsm8k --limit 4 --max-new-tokens 160 --include-incorrect \\
+        --budget 0.5 --out runs/study
+
+See `study` (the package docstring) for the stages and the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from core.backend import BackendConfig, add_backend_arguments
+from core.cli import (
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    non_negative_int,
+    positive_int,
+    unit_interval,
+)
+from evictor.protocol import PROTECTIONS, PROTOCOLS
+from labeling.windows import DEFAULT_TAIL
+from models.registry import DEFAULT_MODEL, REGISTRY
+from study.config import (
+    AGREEMENT_REPLACEMENTS,
+    BASELINES,
+    COMPARE_N_BOOT,
+    DEFAULT_AGREEMENT_TRACES,
+    DEFAULT_PROTECT,
+    DEFAULT_PROTOCOL,
+    DEFAULT_SCORERS,
+    DEFAULT_TOP,
+    EVICT_PROBLEMS,
+    PAPER_DEFAULTS,
+    StudyConfig,
+    parse_budgets,
+    parse_names,
+)
+from validation.stats import DEFAULT_N_BOOT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    papers = ", ".join(f"{paper}: {policy}" for paper, policy in PAPER_DEFAULTS.items())
+    parser = ArgumentParser(
+        prog="python -m study",
+        description="Which cheap signal finds the tokens a model's answer depends on, and does evicting by it beat "
+        "random eviction at equal cache? Generates dense traces, labels them by counterfactual occlusion, replays "
+        "every scorer's score and the per-layer signals, ranks them by within-trace Spearman rho (Fisher-z mean, "
+        "n_eff, 95% CI), selects configurations, runs them in the evictor against full, random and recency (prompt "
+        f"kept) and each paper's default scorer ({papers}) under one protocol, compares each with random (paired "
+        "bootstrap, sign test) at equal peak cache, and writes OUT/report.md. Each stage's output is kept under a key "
+        "of its settings: rerunning resumes, changing a setting recomputes from that stage on.",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"registry name ({', '.join(sorted(REGISTRY))}), a local HF directory, a .gguf file or a "
+                        f"hub id (default: {DEFAULT_MODEL})")
+    parser.add_argument("--dataset", required=True, help="benchmark: gsm8k, math500, aime24 (see tasks.datasets)")
+    parser.add_argument("--data-file", default=None,
+                        help="read problems from this JSONL file instead of $KVSCOPE_DATA_DIR or the hub")
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="the first N problems of the dataset (default: all)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=512,
+                        help="generation cap of the dense traces and of every eviction run (default: 512)")
+    parser.add_argument("--traces", default=None,
+                        help="reuse these dense traces (a tasks.run generations.jsonl of --model holding the first "
+                        "--limit problems) instead of generating them")
+    parser.add_argument("--budget", required=True,
+                        help="comma list of cache budgets, each a fraction in (0, 1] of each problem's dense trace "
+                        "length (what K counts is the --protocol's; a fraction of 1 keeps the whole dense trace, "
+                        "which the evictor cannot express as a budget: such a budget runs no eviction cell)")
+    labels = parser.add_argument_group("occlusion labels (labeling.occlusion)")
+    labels.add_argument("--include-incorrect", action="store_true",
+                        help="also label wrongly answered traces, against the model's own answer (default: correctly "
+                        "answered traces only, EpiKV's protocol)")
+    labels.add_argument("--window", type=positive_int, default=32, help="occlusion window in tokens (default 32)")
+    labels.add_argument("--stride", type=positive_int, default=16,
+                        help="step between windows, <= --window (default 16)")
+    labels.add_argument("--replacement", default="auto",
+                        help="what fills a window: auto (default: the pad token when harmless, else a neutral token), "
+                        "pad, space, dot, delete or a token id")
+    labels.add_argument("--max-answer-tokens", type=positive_int, default=512,
+                        help="regeneration length limit per window (default 512)")
+    labels.add_argument("--tail", type=non_negative_int, default=DEFAULT_TAIL,
+                        help=f"answer span of a trace with neither </think> nor \\boxed{{ (default {DEFAULT_TAIL})")
+    labels.add_argument("--agreement-traces", type=non_negative_int, default=DEFAULT_AGREEMENT_TRACES,
+                        help=f"relabel the first K labelled traces with each other replacement "
+                        f"({', '.join(AGREEMENT_REPLACEMENTS)}) and report label agreement (Cohen's kappa); 0 = off "
+                        f"(default {DEFAULT_AGREEMENT_TRACES})")
+    signals = parser.add_argument_group("signals and selection (evictor.replay, probes.signals, validation.select)")
+    signals.add_argument("--scorers", default=",".join(DEFAULT_SCORERS),
+                         help="comma list of registered policies whose replayed scores are validated and may be "
+                         f"selected (default: {','.join(DEFAULT_SCORERS)}; python -m evictor.policies lists them)")
+    signals.add_argument("--signal-window", type=positive_int, default=64,
+                         help="rolling window of g_l's mean and z-score (EpiKV's w; default 64)")
+    signals.add_argument("--top", type=positive_int, default=DEFAULT_TOP,
+                         help="configurations to select: the best distinct scorers a policy computes, each with a "
+                         f"positive within-trace rho (default {DEFAULT_TOP})")
+    signals.add_argument("--level", type=unit_interval, default=0.95,
+                         help="confidence level of every interval (default 0.95)")
+    signals.add_argument("--n-boot", type=positive_int, default=DEFAULT_N_BOOT,
+                         help=f"bootstrap replicates over traces for the rho intervals (default {DEFAULT_N_BOOT})")
+    evict = parser.add_argument_group("eviction and comparison (evictor.run, validation.compare)")
+    evict.add_argument("--protocol", default=DEFAULT_PROTOCOL, choices=PROTOCOLS,
+                       help="one eviction protocol for every policy, so K means the same cache for all "
+                       f"(evictor.protocol; default {DEFAULT_PROTOCOL}: evict every step, recency min(128, K/4), K "
+                       "counting the trace positions)")
+    evict.add_argument("--protect", default=DEFAULT_PROTECT, choices=PROTECTIONS,
+                       help="what every policy keeps unscored: one protection for all, so every policy holds the same "
+                       f"peak cache (default {DEFAULT_PROTECT}: {', '.join(BASELINES[1:])} keep the prompt)")
+    evict.add_argument("--evict-problems", default="all", choices=EVICT_PROBLEMS,
+                       help="the problems the evictor runs: all (default) or labelled, only those whose dense trace "
+                       "was labelled (the correctly answered ones unless --include-incorrect): accuracy then measures "
+                       "how often a policy keeps an answer the full cache got right, at a fraction of the compute")
+    evict.add_argument("--batch-size", type=positive_int, default=1,
+                       help="problems the evictor decodes together, left-padded (default 1); a speed setting, so a "
+                       "rerun with another batch size reuses the finished eviction records")
+    evict.add_argument("--compare-n-boot", type=positive_int, default=COMPARE_N_BOOT,
+                       help=f"bootstrap replicates of the paired comparison (default {COMPARE_N_BOOT})")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seeds random policies, sampling and bootstraps (default 0)")
+    add_device_arguments(parser, dtype_default="float32")
+    add_backend_arguments(parser)
+    parser.add_argument("--out", required=True,
+                        help="study directory: report.md, selection.json, compare.csv, figures/, configs/, stages/")
+    parser.add_argument("--quiet", action="store_true", help="no line per eviction batch")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    return StudyConfig(
+        dataset=args.dataset, budgets=parse_budgets(args.budget), model=args.model, data_file=args.data_file,
+        limit=args.limit, max_new_tokens=args.max_new_tokens, traces=args.traces,
+        include_incorrect=args.include_incorrect, window=args.window, stride=args.stride,
+        replacement=args.replacement, max_answer_tokens=args.max_answer_tokens, tail=args.tail,
+        agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),
+        signal_window=args.signal_window, top=args.top, level=args.level, n_boot=args.n_boot,
+        protocol=args.protocol, protect=args.protect, compare_n_boot=args.compare_n_boot,
+        batch_size=args.batch_size, evict_problems=args.evict_problems, seed=args.seed,
+        dtype=args.dtype, device=args.device)
+
+
+def _run(argv: list[str] | None) -> int:
+    from study.pipeline import run_study
+    from study.report import headline
+
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    backend = BackendConfig.from_flags(vars(args))
+    command = ["python", "-m", "study", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        result = run_study(config, args.out, backend, quiet=args.quiet, command=command)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished stages and records are kept in {args.out}; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    print(headline(result))
+    print(f"\nreport: {result.out / 'report.md'} (reproduce: {shlex.join(command)})")
+    return 0
+
+
+main = main_guard(_run)
+
+if __name__ == "__main__":
+    from study.__main__ import main  # this module under its own name, so Ray workers unpickle its functions from there
+
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""What a study runs: its settings (`StudyConfig`), checked in one place before anything is loaded or written.
+
+Every setting belongs to one stage (`STAGE_SETTINGS`); a stage's key is computed from its own settings and its
+inputs' keys (`study.stages`), so changing a setting recomputes that stage and the stages after it, and nothing
+before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import UsageError, unknown_choice
+from labeling.occlusion import OcclusionConfig
+from labeling.replacement import check_spec
+from labeling.windows import DEFAULT_TAIL
+from models.registry import DEFAULT_MODEL
+from probes.signals.hidden import DEFAULT_WINDOW
+from validation.stats import DEFAULT_N_BOOT
+
+# The paper whose claim each default policy carries (EpiKV, ValueDiff, Random Attention), and the baselines every
+# study runs beside them: full attention (the ceiling), random with the prompt kept (the null every scored policy must
+# beat) and recency with the prompt kept.
+PAPER_DEFAULTS = {"EpiKV": "epikv", "ValueDiff": "valuediff", "Random Attention": "random"}
+BASELINES = ("full", "random", "recency")
+REFERENCE = "random"  # every policy is compared with it
+# Scorers replayed by default: the paper defaults and their raw variants, a key- and a value-geometric score, one
+# attention-derived score and the two scoreless baselines; a few seconds each per trace on a small model.
+DEFAULT_SCORERS = ("epikv", "epikv_raw", "valuediff", "valuediff_norm", "keydiff", "h2o", "recency", "random")
+# The replacements label agreement compares: the pad token (EpiKV's protocol), a neutral token, deletion.
+AGREEMENT_REPLACEMENTS = ("pad", "space", "delete")
+DEFAULT_AGREEMENT_TRACES = 2
+DEFAULT_TOP = 2
+DEFAULT_PROTOCOL = "epikv"
+DEFAULT_PROTECT = "prompt"
+COMPARE_N_BOOT = 10_000
+# The problems the evictor stage runs: every problem of the study, or only those whose dense trace was labelled.
+EVICT_PROBLEMS = ("all", "labelled")
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    """``"0.25,0.5"`` -> (0.25, 0.5): fractions of each problem's dense trace length, each in (0, 1]."""
+    budgets = []
+    for part in (p.strip() for p in str(text).split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(f"--budget {part!r} is not a number; give fractions in (0, 1] of each problem's dense "
+                             "trace length, e.g. 0.25,0.5") from None
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise UsageError(f"--budget {part!r} is outside (0, 1]; give fractions of each problem's dense trace "
+                             "length, e.g. 0.25,0.5")
+        budgets.append(value)
+    return tuple(sorted(set(budgets)))
+
+
+def parse_names(text: str, flag: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",") if part.strip()))
+    if not names:
+        raise UsageError(f"{flag} {text!r} names nothing; give a comma list")
+    return names
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Every setting of a study; the CLI flags of the same names document each field."""
+
+    dataset: str
+    budgets: tuple[float, ...]
+    model: str = DEFAULT_MODEL
+    data_file: str | None = None
+    limit: int | None = None
+    max_new_tokens: int = 512
+    traces: str | None = None  # reuse these dense traces instead of generating
+    # labelling
+    include_incorrect: bool = False
+    window: int = 32
+    stride: int = 16
+    replacement: str = "auto"
+    max_answer_tokens: int = 512
+    tail: int = DEFAULT_TAIL
+    agreement_traces: int = DEFAULT_AGREEMENT_TRACES
+    # signals and selection
+    scorers: tuple[str, ...] = DEFAULT_SCORERS
+    signal_window: int = DEFAULT_WINDOW
+    top: int = DEFAULT_TOP
+    level: float = 0.95
+    n_boot: int = DEFAULT_N_BOOT
+    # eviction and comparison
+    protocol: str = DEFAULT_PROTOCOL
+    protect: str = DEFAULT_PROTECT
+    compare_n_boot: int = COMPARE_N_BOOT
+    batch_size: int = 1  # problems decoded together by the evictor stage: speed only, so not in any stage's key
+    evict_problems: str = "all"  # all | labelled: the problems the evictor stage runs
+    seed: int = 0
+    dtype: str = "float32"
+    device: str | None = None
+
+    def check(self) -> None:
+        """Refuse any setting no stage can run with, naming it: nothing is loaded or written before this passes."""
+        from evictor.policy import POLICIES, calibrated_policies, choose_policies, get_policy
+        from evictor.protocol import PROTECTIONS, PROTOCOLS
+        from models.loading import check_model_name
+        from tasks.datasets import check_dataset
+
+        check_dataset(self.dataset)
+        check_model_name(self.model)
+        if not self.budgets:
+            raise UsageError("give at least one --budget fraction")
+        self.occlusion()  # window, stride, replacement, dtype
+        check_spec(self.replacement)
+        if self.protocol not in PROTOCOLS:
+            raise unknown_choice("protocol", self.protocol, PROTOCOLS)
+        if self.protect not in PROTECTIONS:
+            raise unknown_choice("protection", self.protect, PROTECTIONS)
+        if self.evict_problems not in EVICT_PROBLEMS:
+            raise unknown_choice("evict-problems", self.evict_problems, EVICT_PROBLEMS)
+        for name in ("top", "signal_window", "n_boot", "compare_n_boot", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if self.agreement_traces < 0:
+            raise UsageError(f"--agreement-traces must be >= 0, got {self.agreement_traces}")
+        if not 0 < self.level < 1:
+            raise UsageError(f"--level must be in (0, 1), got {self.level}")
+        choose_policies(",".join(self.scorers))
+        calibrated = calibrated_policies(self.scorers)
+        if calibrated:
+            raise UsageError(f"--scorers {', '.join(calibrated)}: calibrated policies need a per-model calibration "
+                             "file; replay them with python -m evictor.replay --policy-config FILE")
+        idle = [name for name in self.scorers if get_policy(name).scores_nothing]
+        if idle:
+            raise UsageError(f"--scorers {', '.join(idle)}: evicts nothing, so there is no score to validate; "
+                             f"valid choices: {', '.join(n for n in POLICIES if n not in idle)}")
+        if self.traces is not None and not Path(self.traces).is_file():
+            raise UsageError(f"--traces {self.traces!r} does not exist" if not Path(self.traces).exists()
+                             else f"--traces {self.traces!r} is not a file")
+
+    def occlusion(self, replacement: str | None = None) -> OcclusionConfig:
+        """The labelling settings (with another `replacement` for label agreement)."""
+        return OcclusionConfig(window=self.window, stride=self.stride,
+                               replacement=self.replacement if replacement is None else replacement,
+                               max_answer_tokens=self.max_answer_tokens, include_incorrect=self.include_incorrect,
+                               tail=self.tail, dtype=self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,240 @@
+"""Run a study: each stage's output kept under a key of its settings and its inputs' keys, reused when unchanged.
+
+    result = run_study(StudyConfig(dataset="gsm8k", budgets=(0.5,), limit=4, ...), "runs/study")
+
+A stage's directory is ``stages/<stage>-<key>/``; its ``stage.json`` (written when the stage finishes) holds the key,
+the settings and inputs it was computed from, its wall time and its outputs. A rerun of the same command finds every
+``stage.json`` and reuses the stage; a stage interrupted before its ``stage.json`` resumes from its own records (each
+wrapped library resumes); changing one stage's settings gives that stage, and every stage whose inputs it feeds, a
+new key and so a new directory, while the stages before it are reused. Directories of other keys stay, so going back
+to earlier settings reuses them too.
+
+Progress: before each stage one line names it and estimates its time and the time left, from the decode rate the
+dense traces measured (`estimate_seconds`); the wrapped stages draw their own progress bars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.backend import BackendConfig, connected
+from core.cli import write_json
+from core.rundir import RunDir
+from labeling.occlusion import estimate_seconds as labelling_seconds
+from labeling.occlusion import format_duration
+from study import stages
+from study.config import StudyConfig
+
+STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "compare")
+MARKER = "stage.json"
+STAGE_DIR = "stages"
+IDENTITY = {"run": "kvscope study"}  # refuses an --out that holds another tool's run
+# Measured ratios of a stage's wall time to its decode-token count at the traces' decode rate (SmolLM2, 2 cores):
+# the fast occlusion labeller verifies most regenerated tokens in batches; replay and eviction decode one token per
+# step with scoring on top.
+LABEL_SPEEDUP = 3.0
+STEP_OVERHEAD = 1.3
+
+
+@dataclass
+class StageRecord:
+    """One stage of a study run: where it lives, whether it was computed, resumed, reused or off, and its outputs."""
+
+    name: str
+    key: str | None
+    path: str | None  # relative to the study directory
+    status: str  # computed | resumed | reused | off
+    seconds: float
+    settings: dict[str, Any]
+    inputs: dict[str, str]
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "path": self.path, "status": self.status,
+                "seconds": round(self.seconds, 2), "settings": self.settings, "inputs": self.inputs,
+                "outputs": self.outputs}
+
+
+@dataclass
+class StudyResult:
+    config: StudyConfig
+    out: Path
+    stages: dict[str, StageRecord]
+    command: list[str]
+    seconds: float
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return self.stages[name].outputs
+
+
+def stage_key(name: str, settings: dict[str, Any], inputs: dict[str, str]) -> str:
+    """12 hex digits of the SHA-256 of the stage's name, settings and input keys (canonical JSON)."""
+    text = json.dumps({"stage": name, "settings": settings, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def file_digest(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
+    """Each stage's own settings: what its records depend on (not where they run)."""
+    from evictor.protocol import resolve_protocol
+
+    ids = [p.id for p in problems]
+    if config.traces is not None:
+        traces = {"file": str(Path(config.traces).resolve()), "sha256": file_digest(config.traces), "problems": ids}
+    else:
+        traces = {"generation": stages.generation_config(config).identity(), "problems": ids}
+    labels = config.occlusion().identity()
+    sampling = resolve_protocol(config.protocol, {"protect": config.protect}).sampling
+    generation = stages.generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
+    return {
+        "traces": traces,
+        "labels": labels,
+        "agreement": {**labels, "traces": config.agreement_traces, "replacements": list(stages.AGREEMENT_REPLACEMENTS)},
+        "signals": {"scorers": list(config.scorers), "window": config.signal_window, "tail": config.tail,
+                    "seed": config.seed, "dtype": config.dtype, "signals": stages.SMOOTHED_SIGNALS},
+        "selection": {"top": config.top, "level": config.level, "n_boot": config.n_boot, "seed": config.seed,
+                      "family": stages.BAND_FAMILY, "window": config.signal_window},
+        "evictor": {"generation": generation.identity(), "problems": ids, "budgets": list(config.budgets),
+                    "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems},
+        "compare": {"n_boot": config.compare_n_boot, "level": config.level, "seed": config.seed,
+                    "reference": stages.REFERENCE},
+    }
+
+
+INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels"), "signals": ("traces", "labels"),
+          "selection": ("labels", "signals"), "evictor": ("traces", "selection"), "compare": ("evictor",)}
+
+
+def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int) -> float | None:
+    """An order of magnitude of stage `name`'s wall time from the dense traces' decode rate r (tokens/s); None
+    before the traces exist. Labels: `labeling.occlusion.estimate_seconds` over the traces to label, divided by the
+    fast labeller's usual speed-up; signals: one teacher-forced step per reasoning token and scorer; evictor: every
+    cell decoding as many tokens as the dense traces did."""
+    traces = done.get("traces")
+    if traces is None or not traces.outputs.get("tokens_per_s"):
+        return None
+    rate, length = traces.outputs["tokens_per_s"], traces.outputs["mean_generated"]
+    to_label = traces.outputs["n"] if config.include_incorrect else traces.outputs["correct"]
+    labelled = done["labels"].outputs.get("labelled", 0) if "labels" in done else to_label
+    labelling = labelling_seconds(to_label, config.max_new_tokens, config.occlusion(), rate)[1] / LABEL_SPEEDUP
+    if name == "labels":
+        return labelling
+    if name == "agreement":
+        return 2 * labelling * min(config.agreement_traces, labelled) / max(1, to_label)
+    if name == "signals":
+        return labelled * (len(config.scorers) + 1) * max(0, length - config.tail) * STEP_OVERHEAD / rate
+    if name == "evictor":
+        cells = 1 + (len(stages.default_configs()) - 1 + config.top) * sum(b < 1 for b in config.budgets)
+        return cells * n_problems * length * STEP_OVERHEAD / rate
+    return 0.0
+
+
+class Study:
+    """A study directory being run: claims it, runs or reuses each stage, and records what happened."""
+
+    def __init__(self, config: StudyConfig, out: Path, backend: BackendConfig, quiet: bool):
+        self.config, self.out, self.backend, self.quiet = config, out, backend, quiet
+        self.paths = stages.Paths(out)
+        self.records: dict[str, StageRecord] = {}
+
+    def run(self, name: str, settings: dict[str, Any], compute, *, off: str | None = None) -> StageRecord:
+        inputs = {n: self.records[n].key for n in INPUTS[name] if self.records[n].key is not None}
+        if off is not None:
+            record = StageRecord(name, None, None, "off", 0.0, settings, inputs, {"reason": off})
+            self.records[name] = record
+            self.say(f"[{self.position(name)} {name}] off: {off}")
+            return record
+        key = stage_key(name, settings, inputs)
+        directory = self.out / STAGE_DIR / f"{name}-{key}"
+        marker = directory / MARKER
+        if marker.is_file():
+            stored = json.loads(marker.read_text())
+            record = StageRecord(name, key, self.paths.rel(directory), "reused", stored["seconds"], settings, inputs,
+                                 stored["outputs"])
+            self.records[name] = record
+            self.say(f"[{self.position(name)} {name}] reused {record.path} (computed in "
+                     f"{format_duration(record.seconds)})")
+            return record
+        status = "resumed" if directory.exists() else "computed"
+        self.say(f"[{self.position(name)} {name}] {'resuming' if status == 'resumed' else 'computing'} "
+                 f"{self.paths.rel(directory)}{self.eta(name)}")
+        started = time.perf_counter()
+        outputs = compute(directory)
+        seconds = time.perf_counter() - started
+        record = StageRecord(name, key, self.paths.rel(directory), status, seconds, settings, inputs, outputs)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_json(marker, record.to_json())
+        self.records[name] = record
+        return record
+
+    def position(self, name: str) -> str:
+        return f"stage {STAGES.index(name) + 1}/{len(STAGES)}"
+
+    def eta(self, name: str) -> str:
+        n_problems = len(self.records["traces"].settings["problems"]) if "traces" in self.records else 0
+        estimates = [estimate_seconds(n, self.config, self.records, n_problems)
+                     for n in STAGES[STAGES.index(name):]]
+        rest = sum(e or 0 for e in estimates)
+        if estimates[0] is None or rest < 1:
+            return ""
+        return (f"; about {format_duration(estimates[0])} for this stage, {format_duration(rest)} left in all "
+                "(an order of magnitude)")
+
+    def say(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | None = None, *, quiet: bool = False,
+              command: list[str] | None = None) -> StudyResult:
+    """Run (or resume) the study `config` into `out` and write its report; bad input is a `UsageError` raised before
+    anything is written. `command` is the command line the report gives for reproducing it."""
+    from study.report import write_report
+
+    backend = backend or BackendConfig()
+    config.check()
+    problems = stages.generation_config(config).problems()
+    if config.traces is not None:
+        stages.check_reused_traces(config, problems)
+    settings = stage_settings(config, problems)
+    out = Path(out)
+    started = time.perf_counter()
+    with RunDir(out, IDENTITY) as run, connected(backend):
+        run.save_config(study=config.to_json(), command=command, backend=dataclasses.asdict(backend))
+        study = Study(config, out, backend, quiet)
+        paths, rec = study.paths, study.records
+        study.run("traces", settings["traces"],
+                  lambda d: stages.traces_stage(config, problems, d, paths, backend))
+        study.run("labels", settings["labels"],
+                  lambda d: stages.labels_stage(config, rec["traces"].outputs, d, paths, backend))
+        labelled = rec["labels"].outputs.get("labelled", 0)
+        off = ("--agreement-traces 0" if config.agreement_traces == 0 else
+               None if labelled else "no labelled trace to relabel")
+        study.run("agreement", settings["agreement"],
+                  lambda d: stages.agreement_stage(config, rec["traces"].outputs, rec["labels"].outputs, d, paths,
+                                                   backend), off=off)
+        study.run("signals", settings["signals"],
+                  lambda d: stages.signals_stage(config, rec["traces"].outputs, rec["labels"].outputs, d, paths),
+                  off=None if labelled else "no labelled trace")
+        study.run("selection", settings["selection"],
+                  lambda d: stages.selection_stage(config, rec["labels"].outputs, rec["signals"].outputs, d, paths))
+        study.run("evictor", settings["evictor"],
+                  lambda d: stages.evictor_stage(config, rec["traces"].outputs, rec["labels"].outputs,
+                                                 rec["selection"].outputs, d, paths, backend, quiet))
+        study.run("compare", settings["compare"], lambda d: stages.compare_stage(config, rec["evictor"].outputs, paths))
+        result = StudyResult(config, out, dict(rec), command or [], time.perf_counter() - started)
+        write_report(result)
+    return result

@@ -1,0 +1,427 @@
+"""The study's deliverables, written from its stages' outputs: ``report.md`` (self-contained: the question, the
+settings, the tables, the figures inline, what is significant and what is not, the commands to reproduce),
+``figures/*.png``, ``selection.json``, ``configs/<name>.json``, ``ranking.csv``, ``accuracy.csv`` and ``compare.csv``.
+
+``selection.json`` is itself a policy configuration: its top-level ``policy`` and ``params`` are the primary
+configuration (the best selected scorer, or EpiKV's default when the selection is inconclusive), so
+``evictor.run --policy-config OUT/selection.json`` runs it; ``configs`` holds every configuration the evictor stage
+ran, each also written to ``configs/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from core.cli import atomic_write
+from core.errors import UsageError
+from study import stages
+from study.config import PAPER_DEFAULTS, REFERENCE
+from validation.report import write_csv, write_json
+
+FIGURES = "figures"
+SHOWN_SCORERS = 15
+PRIMARY_DEFAULT = PAPER_DEFAULTS["EpiKV"]
+COMPARE_COLUMNS = ("config", "sweep", "policy_a", "budget_a", "policy_b", "budget_b", "n_problems", "accuracy_a",
+                   "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p", "sign_p_value", "sign_a_better",
+                   "sign_b_better", "sign_n_discordant", "peak_slots_a", "peak_slots_b", "equal_cache", "significant",
+                   "error")
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None or isinstance(value, float) and not math.isfinite(value):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def pct(value: Any) -> str:
+    return "–" if value is None or isinstance(value, float) and not math.isfinite(value) else f"{100 * value:.1f}%"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """A CSV table's rows with numbers as numbers and empty cells as NaN (`figures.tables.read_table`)."""
+    from figures.tables import read_table
+
+    return read_table(path).to_dict("records")
+
+
+def budget_text(budget: Any) -> str:
+    return "–" if budget is None or isinstance(budget, float) and not math.isfinite(budget) else f"{budget:g}"
+
+
+# --- the files beside the report -------------------------------------------------------------------------------------
+def ran_configs(result) -> dict[str, dict[str, Any]]:
+    """Every configuration the evictor stage ran, by name (selected ones under their selection names)."""
+    configs: dict[str, dict[str, Any]] = {}
+    for plan in result["evictor"]["sweeps"].values():
+        configs.update(plan["configs"])
+    return configs
+
+
+def primary_config(result) -> tuple[str, dict[str, Any]]:
+    """The best selected configuration (under the name it ran as), else EpiKV's default."""
+    chosen = result["selection"]["chosen"]
+    if not chosen:
+        return PRIMARY_DEFAULT, ran_configs(result)[PRIMARY_DEFAULT]
+    name = chosen[0]["name"]
+    runs_as = stages.ran_as(name, result["selection"]["configs"][name], stages.default_configs())
+    return runs_as, ran_configs(result)[runs_as]
+
+
+def write_selection(result) -> dict[str, Any]:
+    out = result.out
+    selection, configs = result["selection"], ran_configs(result)
+    for name, config in configs.items():
+        write_json(out / "configs" / f"{name}.json", config)
+    name, primary = primary_config(result)
+    ranking = []
+    if selection.get("ranking"):
+        ranking = read_rows(stages.Paths(out).abs(selection["ranking"]))
+        write_csv(out / "ranking.csv", ranking)
+    summary = {
+        "policy": primary["policy"], "params": primary["params"], "primary": name,
+        "status": selection["status"], "reason": selection.get("reason"),
+        "n_traces": selection["n_traces"], "n_eff": selection["n_eff"],
+        "labels": selection.get("labels"), "signals": selection.get("signals"),
+        "bands": selection.get("bands"), "band_layers": selection.get("band_layers"),
+        "chosen": [{**c, "ran_as": stages.ran_as(c["name"], selection["configs"][c["name"]], stages.default_configs())}
+                   for c in selection["chosen"]],
+        "configs": {n: {**c, "file": f"configs/{n}.json"} for n, c in configs.items()},
+        "ranking": [{k: row[k] for k in ("rank", "signal", "within_rho", "within_lo", "within_hi", "within_n_eff",
+                                         "policy")} for row in ranking[:SHOWN_SCORERS]],
+    }
+    write_json(out / "selection.json", summary)
+    return summary
+
+
+def comparison_rows(result) -> list[dict[str, Any]]:
+    level = result.config.level
+    rows = []
+    for row in result["compare"].get("rows", []):
+        full = {column: row.get(column) for column in COMPARE_COLUMNS}
+        if row.get("error") is None:
+            full["significant"] = bool(row["bootstrap_p"] < 1 - level)
+        rows.append(full)
+    return rows
+
+
+def accuracy_rows(result) -> list[dict[str, Any]]:
+    keys = ("config", "policy", "budget", "problems", "correct", "accuracy", "ci_lo", "ci_hi", "no_answer",
+            "empty_output", "truncated", "mean_generated", "mean_rounds", "max_peak_slots", "sweep")
+    return [{k: cell.get(k) for k in keys} for cell in result["evictor"]["cells"]]
+
+
+# --- figures ---------------------------------------------------------------------------------------------------------
+def draw_figures(result, ranking: list[dict[str, str]], accuracy: list[dict], comparisons: list[dict]) -> dict:
+    """Each figure's PNG path relative to the study directory, or why it was not drawn."""
+    from figures.accuracy_budget import plot_accuracy_vs_budget
+    from figures.forest import plot_forest
+    from figures.layer_rho import from_validation_table, plot_layer_rho
+    from figures.save import save_figure
+
+    out = result.out / FIGURES
+    layered = [r for r in ranking if math.isfinite(r["layer"]) and ".h" not in r["family"]]
+    bands = [r for r in layered if r["family"] == stages.BAND_FAMILY]
+    others = [r for r in layered if r["family"] != stages.BAND_FAMILY]
+    deployable = [{**r, "policy": r["policy"] if isinstance(r["policy"], str) else "(no policy)"}
+                  for r in ranking[:SHOWN_SCORERS]]
+    evicting = [r for r in comparisons if r.get("error") is None]
+    drawn = {}
+    plans = {
+        "layer_rho": ("per-layer rho of g_l (raw, rolling mean, rolling z)",
+                      lambda: plot_layer_rho(from_validation_table(bands),
+                                             band_signal=f"{stages.BAND_FAMILY}.mean{result.config.signal_window}")),
+        "signals_by_layer": ("per-layer rho of the other layered signals and replayed scores",
+                             lambda: plot_layer_rho(from_validation_table(others))),
+        "scorer_ranking": ("the best scorers by within-trace rho",
+                           lambda: plot_forest(deployable, label="signal", value="within_rho", low="within_lo",
+                                               high="within_hi", group="policy",
+                                               xlabel="within-trace Spearman ρ with occlusion labels")),
+        "accuracy_budget": ("accuracy against the budget",
+                            lambda: plot_accuracy_vs_budget([{**r, "policy": r["config"]} for r in accuracy])),
+        "difference_vs_random": ("accuracy difference against random",
+                                 lambda: plot_forest([{**r, "label": f"{r['config']} @ {budget_text(r['budget_a'])}"}
+                                                      for r in evicting], value="difference", low="ci_lo",
+                                                     high="ci_hi", xlabel=f"accuracy − {REFERENCE} (paired)")),
+    }
+    for stem, (what, draw) in plans.items():
+        try:
+            figure = draw()
+        except UsageError as err:
+            drawn[stem] = {"what": what, "skipped": str(err)}
+            continue
+        save_figure(figure, out, stem)
+        drawn[stem] = {"what": what, "png": f"{FIGURES}/{stem}.png"}
+    return drawn
+
+
+# --- report.md -------------------------------------------------------------------------------------------------------
+def figure_md(figures: dict, stem: str) -> str:
+    figure = figures[stem]
+    if "png" in figure:
+        return f"![{figure['what']}]({figure['png']})"
+    return f"*Figure {stem} not drawn: {figure['skipped']}*"
+
+
+def settings_section(result) -> str:
+    c = result.config
+    rows = [["model", c.model], ["dataset", f"{c.dataset}" + (f" ({c.data_file})" if c.data_file else "")],
+            ["problems", f"{result['traces']['n']} (--limit {c.limit})"], ["max new tokens", c.max_new_tokens],
+            ["dense traces", "reused from --traces" if c.traces else "generated greedily"],
+            ["labelled traces", "every trace (--include-incorrect)" if c.include_incorrect else
+             "correctly answered only (EpiKV)"],
+            ["occlusion", f"window {c.window}, stride {c.stride}, replacement {c.replacement}, answer regenerated up "
+                          f"to {c.max_answer_tokens} tokens, tail {c.tail}"],
+            ["scorers replayed", ", ".join(c.scorers)],
+            ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
+                                  f"{c.signal_window}), key norm, attention received (h2o)"],
+            ["selection", f"top {c.top}, {c.level:.0%} intervals, {c.n_boot} bootstrap replicates over traces"],
+            ["budgets", ", ".join(f"{b:g}" for b in c.budgets) + " of each problem's dense trace length"],
+            ["protocol", f"{c.protocol} for every policy, --protect {c.protect}"],
+            ["evicted problems", "every problem" if c.evict_problems == "all" else
+             "the labelled ones (accuracy = how often a policy keeps an answer the full cache got right)"],
+            ["comparison", f"paired problem-clustered bootstrap ({c.compare_n_boot} replicates) and exact sign test "
+                           f"against {REFERENCE}"],
+            ["seed, dtype, device", f"{c.seed}, {c.dtype}, {c.device or 'default'}"]]
+    return table(["setting", "value"], rows)
+
+
+def stages_section(result) -> str:
+    rows = [[r.name, r.status, r.key or "–", f"`{r.path}`" if r.path else r.outputs.get("reason", "–"),
+             f"{r.seconds:.1f} s"] for r in result.stages.values()]
+    reused = [r.name for r in result.stages.values() if r.status == "reused"]
+    note = (f"Reused from an earlier run with the same settings: {', '.join(reused)}." if reused else
+            "No stage was reused: every stage ran in this invocation (or resumed its own records).")
+    return table(["stage", "status", "key", "directory", "wall time"], rows) + "\n\n" + note
+
+
+def labels_section(result) -> str:
+    labels, traces = result["labels"], result["traces"]
+    lines = [f"Dense traces: {traces['n']} problems, {traces['correct']} answered correctly, "
+             f"{traces['mean_generated']:.0f} generated tokens on average (`{traces['traces']}`).", ""]
+    if labels.get("labels") is None:
+        return "\n".join(lines + [f"No labels: {labels['reason']}."])
+    replacement = labels.get("replacement") or {}
+    lines.append(f"Occlusion labels (`{labels['labels']}`): {labels['labelled']} traces labelled, {labels['skipped']} "
+                 f"skipped{' (' + '; '.join(labels['skip_reasons']) + ')' if labels['skip_reasons'] else ''}; windows "
+                 f"filled with {replacement.get('chosen', '–')} ({replacement.get('text')!r}); mean important fraction "
+                 f"of the reasoning span {fmt(labels['mean_important_fraction'], 2)}.")
+    agreement = result["agreement"]
+    if result.stages["agreement"].status == "off":
+        lines += ["", f"Label agreement: off ({agreement['reason']})."]
+    else:
+        rows = [[r["a"], r["b"], r["traces"], r["positions"], fmt(r["agreement"]), fmt(r["kappa"]),
+                 fmt(r["important_a"], 2), fmt(r["important_b"], 2)] for r in agreement["rows"]]
+        lines += ["", f"### Label agreement between replacements ({len(agreement['traces'])} traces relabelled)", "",
+                  "Cohen's kappa over the reasoning positions of the traces both sets labelled (labeling.agreement); "
+                  "a low kappa means the labels depend on what fills the window, not only on what it removes.", "",
+                  table(["A", "B", "traces", "positions", "agreement", "kappa", "important A", "important B"], rows)]
+        for spec, why in agreement["unavailable"].items():
+            lines.append(f"\n{spec}: not compared ({why}).")
+    return "\n".join(lines)
+
+
+def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> str:
+    selection, level = result["selection"], f"{result.config.level:.0%}"
+    lines = []
+    if selection.get("signals"):
+        lines += ["Input files (relative to this directory; every statistic below is recomputable from them):", "",
+                  f"- labels: `{selection['labels']}`"]
+        lines += [f"- signals: `{path}`" for path in selection["signals"]]
+        lines.append("")
+    if selection["status"] != "selected":
+        lines.append(f"**Selection inconclusive** (n = {selection['n_traces']} aligned traces, n_eff = "
+                     f"{selection['n_eff']} with varying labels): {selection['reason']}. The evictor stage ran the "
+                     "baselines and each paper's default scorer only.")
+    if ranking:
+        rows = [[r["rank"], r["signal"], fmt(r["within_rho"]), f"[{fmt(r['within_lo'])}, {fmt(r['within_hi'])}]",
+                 f"[{fmt(r['within_boot_lo'])}, {fmt(r['within_boot_hi'])}]", r["within_n_eff"],
+                 fmt(r["within_p_adj"]), "yes" if r["within_significant"] is True else "no", fmt(r["position_rho"]),
+                 r["policy"] if isinstance(r["policy"], str) else "–"] for r in ranking[:SHOWN_SCORERS]]
+        lines += [f"Scorers ranked by within-trace Spearman rho with the labels (one rho per trace, Fisher-z mean, "
+                  f"n_eff = traces with a defined rho; {selection['n_tokens']} reasoning positions, "
+                  f"{selection['nonfinite_positions_dropped']} positions where any signal is undefined left out for "
+                  f"every signal); the top {min(SHOWN_SCORERS, len(ranking))} of {len(ranking)} (all in "
+                  "`ranking.csv`):", "",
+                  table(["rank", "scorer", "rho", f"{level} Fisher z", f"{level} bootstrap", "n_eff", "p (FDR)",
+                         "significant", "rho with position", "deploys"], rows), "",
+                  figure_md(figures, "scorer_ranking"), "", figure_md(figures, "layer_rho"), "",
+                  figure_md(figures, "signals_by_layer")]
+        bands = selection.get("bands") or []
+        lines.append("")
+        lines.append("Bands of g_l (runs of adjacent significant layers): " + (
+            "; ".join(f"{'+' if b['sign'] > 0 else '−'} layers {b['layers'][0]}–{b['layers'][-1]} (peak "
+                      f"{b['peak_layer']}, rho {fmt(b['peak_rho'])})" for b in bands) if bands else "none found."))
+    if selection["chosen"]:
+        defaults = stages.default_configs()
+        rows = [[stages.ran_as(c["name"], selection["configs"][c["name"]], defaults), c["policy"],
+                 f"`{c['params']}`", c["signal"], fmt(c["within_rho"]),
+                 f"[{fmt(c['within_lo'])}, {fmt(c['within_hi'])}]"] for c in selection["chosen"]]
+        lines += ["", "Selected configurations, under the name they ran as (a selected configuration equal to a "
+                  "baseline or a paper's default runs once, under that name; each is in `configs/<name>.json`):", "",
+                  table(["ran as", "policy", "params", "scorer", "rho", f"{level} CI"], rows)]
+    return "\n".join(lines)
+
+
+def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
+    c = result.config
+    lines = [f"Every configuration ran under the **{c.protocol}** protocol with `--protect {c.protect}` for all "
+             "policies, so a budget f means the same cache for each: K = ceil(f × L) for each problem's dense trace "
+             "length L, and a cell's peak cache is the most slots any KV head held (`max_peak_slots`)."]
+    skipped = [b for b in c.budgets if b >= 1]
+    if skipped:
+        lines.append("A budget of 1 (the whole dense trace) has no eviction cell: the evictor reads a budget of 1 as "
+                     "one token.")
+    rows = [[r["config"], budget_text(r["budget"]), r["problems"], pct(r["accuracy"]),
+             f"[{pct(r['ci_lo'])}, {pct(r['ci_hi'])}]", r["no_answer"], fmt(r["mean_generated"], 1),
+             fmt(r["mean_rounds"], 1), fmt(r["max_peak_slots"])] for r in accuracy]
+    lines += ["", table(["configuration", "budget", "n", "accuracy", "95% Wilson", "no answer", "tokens", "rounds",
+                         "peak slots"], rows), "", figure_md(figures, "accuracy_budget")]
+    return "\n".join(lines)
+
+
+def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
+    level = result.config.level
+    if not comparisons:
+        return f"No comparison: {result['compare'].get('reason', 'nothing was compared')}."
+    rows, refused = [], []
+    for r in comparisons:
+        if r.get("error"):
+            refused.append(f"- {r['config']}: **not compared**: {r['error']}")
+            continue
+        cache = {True: "equal", False: "UNEQUAL", None: "–"}[r["equal_cache"]]
+        rows.append([r["config"], budget_text(r["budget_a"]), budget_text(r["budget_b"]),
+                     r["n_problems"], pct(r["accuracy_a"]), pct(r["accuracy_b"]), f"{100 * r['difference']:+.1f}",
+                     f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}]", fmt(r["bootstrap_p"]),
+                     fmt(r["sign_p_value"]), f"{r['sign_a_better']}/{r['sign_b_better']}",
+                     f"{fmt(r['peak_slots_a'])} / {fmt(r['peak_slots_b'])} ({cache})",
+                     "**yes**" if r["significant"] else "no"])
+    significant = [r for r in comparisons if r.get("significant")]
+    lines = [f"Each configuration against **{REFERENCE}** (prompt kept) on the same problems: accuracy difference in "
+             f"points with its {level:.0%} paired problem-clustered bootstrap interval, bootstrap and exact sign-test "
+             "p-values, discordant problems (better/worse), and the peak cache slots per KV head of both cells "
+             "(validation.compare refuses unequal peaks; full is the unlimited reference). Also in `compare.csv`.",
+             "", table(["configuration", "budget", f"{REFERENCE} budget", "n", "accuracy", REFERENCE, "diff (pts)",
+                        f"{level:.0%} CI", "bootstrap p", "sign p", "better/worse", "peak slots", "significant"],
+                       rows), ""]
+    lines += refused + ["", figure_md(figures, "difference_vs_random"), "", "### What is significant", ""]
+    if significant:
+        lines += [f"- {r['config']} at budget {budget_text(r['budget_a'])}: {100 * r['difference']:+.1f} points "
+                  f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}], bootstrap p = {fmt(r['bootstrap_p'])}"
+                  for r in significant]
+    else:
+        lines.append(f"- Nothing: no configuration's interval excludes zero against {REFERENCE}.")
+    others = [r for r in comparisons if not r.get("significant") and not r.get("error")]
+    if others:
+        n = max(r["n_problems"] for r in others)
+        names = ", ".join(f"{r['config']} @ {budget_text(r['budget_a'])}" for r in others)
+        lines += ["", f"Not significant ({len(others)} comparisons, n ≤ {n} problems; at this n one problem is "
+                  f"{100 / n:.0f} points): {names}."]
+    return "\n".join(lines)
+
+
+def reproduce_section(result, summary: dict) -> str:
+    c = result.config
+    selection = result["selection"]
+    lines = ["The whole study (rerunning it reuses every finished stage):", "", "```",
+             shlex.join(result.command) if result.command else "(run through the library: study.run_study)", "```"]
+    if selection.get("signals"):
+        select = ["python", "-m", "validation.select", "--labels", selection["labels"], "--signals",
+                  *selection["signals"], "--family", stages.BAND_FAMILY, "--raw-transform", f"mean{c.signal_window}",
+                  "--detrended-transform", f"z{c.signal_window}", "--level", str(c.level), "--n-boot",
+                  str(c.n_boot), "--seed", str(c.seed), "--top", str(c.top), "--out", "reselect"]
+        lines += ["", "The ranking and selection from the files alone (run in this directory):", "", "```",
+                  shlex.join(select), "```"]
+    name = summary["primary"]
+    evict = ["python", "-m", "evictor.run", "--policy-config", "selection.json", "--model", c.model, "--dataset",
+             c.dataset, *(["--data-file", c.data_file] if c.data_file else []),
+             *(["--limit", str(c.limit)] if c.limit else []), "--max-new-tokens", str(c.max_new_tokens), "--budget",
+             ",".join(f"{b:g}" for b in c.budgets if b < 1) or "0.5", "--reference", result["traces"]["traces"],
+             "--protocol", c.protocol, "--protect", c.protect, "--seed", str(c.seed), "--out", f"rerun-{name}"]
+    lines += ["", f"The primary configuration ({name}, the top level of `selection.json`; every other one is in "
+              "`configs/`) in the evictor (run in this directory):", "", "```", shlex.join(evict), "```"]
+    baseline = result["evictor"]["sweeps"][stages.BASELINE_SWEEP]["path"]
+    lines += ["", "A comparison against random (here EpiKV's default):", "", "```",
+              shlex.join(["python", "-m", "validation.compare", "--runs", baseline, baseline, "--policies",
+                          PRIMARY_DEFAULT, REFERENCE]), "```"]
+    return "\n".join(lines)
+
+
+def answer_line(result, comparisons: list[dict]) -> str:
+    selection = result["selection"]
+    if selection["status"] == "selected":
+        best = selection["chosen"][0]
+        first = (f"The best deployable scorer is {best['signal']} (rho {fmt(best['within_rho'])} "
+                 f"[{fmt(best['within_lo'])}, {fmt(best['within_hi'])}], n_eff {best['within_n_eff']}), deployed as "
+                 f"{best['policy']}.")
+    else:
+        first = (f"The selection is inconclusive (n = {selection['n_traces']} traces, n_eff = {selection['n_eff']}): "
+                 f"{selection['reason']}.")
+    significant = [r for r in comparisons if r.get("significant")]
+    second = (f"{len(significant)} of {len(comparisons)} comparisons with {REFERENCE} are significant."
+              if comparisons else "Nothing was compared with random.")
+    return f"{first} {second}"
+
+
+def write_report(result) -> Path:
+    """Write every deliverable of `result` (a `study.pipeline.StudyResult`) into its directory; the report's path."""
+    summary = write_selection(result)
+    ranking = read_rows(result.out / "ranking.csv") if result["selection"].get("ranking") else []
+    comparisons = comparison_rows(result)
+    accuracy = accuracy_rows(result)
+    with atomic_write(result.out / "compare.csv") as handle:  # the header even without a comparison
+        writer = csv.DictWriter(handle, fieldnames=COMPARE_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(comparisons)
+    write_csv(result.out / "accuracy.csv", accuracy)
+    figures = draw_figures(result, ranking, accuracy, comparisons)
+    c = result.config
+    parts = [
+        f"# kvscope study: {c.model} on {c.dataset}", "",
+        "**Question.** Which cheap per-token signal finds the reasoning tokens the model's answer depends on "
+        "(counterfactual occlusion labels, EpiKV §3.4), and does evicting the KV cache by the best of them keep more "
+        f"answers than evicting at random with the prompt kept (Random Attention) at equal peak cache? Each paper's "
+        f"default scorer ({', '.join(f'{p}: {n}' for p, n in PAPER_DEFAULTS.items())}) runs beside the selected ones.",
+        "", f"**Answer.** {answer_line(result, comparisons)}", "",
+        "## Settings", "", settings_section(result), "",
+        "## Stages", "", stages_section(result), "",
+        "## 1. Traces and occlusion labels", "", labels_section(result), "",
+        "## 2. Signals, statistics and selection", "", selection_section(result, ranking, figures), "",
+        "## 3. Eviction at equal cache", "", eviction_section(result, accuracy, figures), "",
+        f"## 4. Against {REFERENCE}", "", comparison_section(result, comparisons, figures), "",
+        "## Reproduce", "", reproduce_section(result, summary), "",
+        f"Wall time of this invocation: {result.seconds:.0f} s.", "",
+    ]
+    path = result.out / "report.md"
+    with atomic_write(path) as handle:
+        handle.write("\n".join(parts))
+    return path
+
+
+def headline(result) -> str:
+    """The report's headline table as plain text: each configuration against random, per budget."""
+    rows = comparison_rows(result)
+    lines = [answer_line(result, rows), ""]
+    if rows:
+        lines.append(f"{'configuration':32s} {'budget':>6s} {'acc':>7s} {REFERENCE:>7s} {'diff':>7s} "
+                     f"{'95% CI':>17s} {'p':>6s}")
+        for r in rows:
+            if r.get("error"):
+                lines.append(f"{r['config'][:32]:32s} not compared: {r['error']}")
+                continue
+            lines.append(f"{r['config'][:32]:32s} {budget_text(r['budget_a']):>6s} {pct(r['accuracy_a']):>7s} "
+                         f"{pct(r['accuracy_b']):>7s} {100 * r['difference']:+6.1f} "
+                         f"[{100 * r['ci_lo']:+6.1f}, {100 * r['ci_hi']:+6.1f}] {fmt(r['bootstrap_p']):>6s}"
+                         + (" *" if r["significant"] else ""))
+    return "\n".join(lines)

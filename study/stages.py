@@ -1,0 +1,397 @@
+"""The stages of a study, each a function of its settings and its inputs' files that writes one stage directory.
+
+    traces -> labels -> agreement (optional) -> signals -> selection -> evictor -> compare
+
+Each function takes the study's `StudyConfig`, the outputs of the stages it reads and its own directory, calls the
+library of the stage it wraps (`tasks.run`, `labeling.occlusion`, `labeling.agreement`, `evictor.replay`,
+`probes.signals`, `validation.select`, `evictor.run`, `validation.compare`) and returns its outputs: a JSON object
+whose file paths are relative to the study directory. Every file a stage writes is that library's own format, so
+each stage's output is what the stage's own command line writes and reads.
+
+Degenerate data never raises: a stage with nothing to work on (no trace to label, labels without variation, too few
+traces for an interval) returns outputs that say so, and the stages after it do what still makes sense (the evictor
+stage always runs the baselines and the papers' default policies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from core.backend import BackendConfig, run_units
+from core.errors import UsageError
+from core.rundir import RunDir
+from core.schemas import Label, Trace, read_records
+from study.config import AGREEMENT_REPLACEMENTS, BASELINES, PAPER_DEFAULTS, REFERENCE, StudyConfig
+
+Outputs = dict[str, Any]
+TRACES_FILE = "generations.jsonl"
+REPLAY_FILE = "replay.jsonl"
+# probes.signals files: the raw per-layer interpretability signals (g_l, key norms, attention received), and g_l's
+# rolling mean and rolling z (the two band scores). Attention received is H2O's score: when h2o is a replayed scorer
+# its replay is that signal, under the same name, so it is not computed twice.
+SMOOTHED_SIGNALS = {"raw": ("hidden_diff", "key_norm", "h2o"), "mean": ("hidden_diff",), "z": ("hidden_diff",)}
+ATTENTION_RECEIVED = "h2o"
+BAND_FAMILY = "hidden_diff"
+BASELINE_SWEEP = "baselines"
+SELECTED = "selected-"  # the sweep and configuration name of a selected configuration
+
+
+class Paths:
+    """Paths inside a study directory, stored relative to it so a study directory can move."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def rel(self, path: Path) -> str:
+        path = Path(path)
+        return str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
+
+    def abs(self, path: str) -> Path:
+        return self.root / path if not Path(path).is_absolute() else Path(path)
+
+
+def generation_config(config: StudyConfig, *, temperature: float = 0.0, top_p: float = 1.0):
+    """The dense generation (greedy: occlusion labels regenerate greedily) or, with a protocol's sampling, the
+    evictor's."""
+    from tasks.run import GenerationConfig
+
+    return GenerationConfig(dataset=config.dataset, model=config.model, data_file=config.data_file,
+                            limit=config.limit, max_new_tokens=config.max_new_tokens, temperature=temperature,
+                            top_p=top_p, seed=config.seed, dtype=config.dtype, device=config.device)
+
+
+def read_traces(path: Path) -> list[Trace]:
+    return read_records(path, Trace)
+
+
+def check_reused_traces(config: StudyConfig, problems) -> list[Trace]:
+    """The --traces records of the study's problems: dense, of --model and --dataset, holding every problem."""
+    from probes.signals.__main__ import read_dense_traces
+
+    traces = {trace.id: trace for trace in read_dense_traces(config.traces)}
+    models = sorted({str(t.model) for t in traces.values()})
+    if models != [config.model]:
+        raise UsageError(f"--traces {config.traces!r} holds traces of {', '.join(models)}, not of --model "
+                         f"{config.model!r}")
+    missing = [p.id for p in problems if p.id not in traces]
+    if missing:
+        raise UsageError(f"--traces {config.traces!r} has no trace of problem(s) {', '.join(missing[:5])} (the first "
+                         f"{len(problems)} of {config.dataset}); generate them, or lower --limit")
+    return [traces[p.id] for p in problems]
+
+
+# --- traces ---------------------------------------------------------------------------------------------------------
+def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backend: BackendConfig) -> Outputs:
+    """Dense greedy traces of the study's problems (a `tasks.run` output directory), or the --traces records."""
+    if config.traces is not None:
+        traces = check_reused_traces(config, problems)
+        file = Path(config.traces).resolve()
+    else:
+        traces, file = _generate(config, problems, path, backend), path / TRACES_FILE
+    speeds = sorted(t.timings.get("tokens_per_s") or 0 for t in traces)
+    return {"traces": paths.rel(file), "n": len(traces), "correct": sum(bool(t.correct) for t in traces),
+            "mean_generated": sum(len(t.generated_ids) for t in traces) / len(traces),
+            "tokens_per_s": speeds[len(speeds) // 2] or None, "reused_file": config.traces is not None}
+
+
+def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig) -> list[Trace]:
+    from tqdm import tqdm
+
+    from tasks.run import Generator, generate_one, load_generator
+
+    generation = generation_config(config)
+    with RunDir(path, generation.identity()) as run:
+        worker = load_generator(generation)
+        run.save_config(**dataclasses.asdict(generation), loaded_model=worker.lm.describe(),
+                        backend=dataclasses.asdict(backend))
+        store = run.store(TRACES_FILE)
+        todo = [p for p in problems if p.id not in store]
+        with tqdm(total=len(problems), initial=len(problems) - len(todo), desc="dense traces", unit="trace",
+                  file=sys.stderr) as bar:
+            run_units(todo, functools.partial(load_generator, generation), generate_one, backend,
+                      on_result=lambda _, trace: store.append(trace.to_json()),
+                      progress=lambda *_: bar.update(1), local_worker=Generator(worker.lm, generation))
+        wanted = {p.id for p in problems}
+        by_id = {str(r["id"]): Trace.from_json(r, str(store.path)) for r in store.records if str(r["id"]) in wanted}
+    return [by_id[p.id] for p in problems]
+
+
+# --- labels ---------------------------------------------------------------------------------------------------------
+def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths, backend: BackendConfig) -> Outputs:
+    """Occlusion labels of the dense traces (correct ones only unless --include-incorrect)."""
+    from labeling.occlusion import NothingLabelled, OcclusionJob, run_occlusion, select_traces
+
+    occlusion = config.occlusion()
+    trace_file = paths.abs(traces["traces"])
+    eligible = select_traces(read_traces(trace_file), occlusion)
+    if not eligible:
+        return {"labels": None, "labelled": 0, "skipped": 0, "eligible": 0,
+                "reason": f"no correctly answered trace among {traces['n']} (rerun with --include-incorrect to "
+                          "label against the model's own answers)"}
+    job = OcclusionJob(config=occlusion, traces=str(trace_file), dataset=config.dataset, model=config.model,
+                       device=config.device)
+    try:
+        labels = run_occlusion(job, path, backend).labels
+        reason = None
+    except NothingLabelled as err:
+        labels, reason = read_records(path / "labels.jsonl", Label), str(err)
+    return {"labels": paths.rel(path / "labels.jsonl"), **label_counts(labels), "eligible": len(eligible),
+            "reason": reason}
+
+
+def label_counts(labels: list[Label]) -> Outputs:
+    labelled = [label for label in labels if label.labelled]
+    fractions = [label.important_fraction for label in labelled]
+    return {"labelled": len(labelled), "skipped": len(labels) - len(labelled),
+            "skip_reasons": sorted({label.reason for label in labels if not label.labelled}),
+            "mean_important_fraction": sum(fractions) / len(fractions) if fractions else None,
+            "replacement": labelled[0].replacement if labelled else None,
+            "labelled_ids": [label.id for label in labelled]}
+
+
+# --- label agreement ------------------------------------------------------------------------------------------------
+def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: Path, paths: Paths,
+                    backend: BackendConfig) -> Outputs:
+    """The first --agreement-traces labelled traces relabelled with each other replacement (pad, a neutral token,
+    deletion), and Cohen's kappa of every pair of label sets (`labeling.agreement`)."""
+    from labeling.agreement import label_agreement
+    from labeling.occlusion import NothingLabelled, OcclusionJob, run_occlusion
+
+    ids = labels["labelled_ids"][: config.agreement_traces]
+    main = labels["replacement"]["chosen"]
+    sets = {main: [label for label in read_records(paths.abs(labels["labels"]), Label) if label.id in ids]}
+    subset = path / "traces.jsonl"
+    by_id = {trace.id: trace for trace in read_traces(paths.abs(traces["traces"]))}
+    path.mkdir(parents=True, exist_ok=True)
+    subset.write_text("".join(json.dumps(by_id[i].to_json()) + "\n" for i in ids))
+    files, unavailable = {main: labels["labels"]}, {}
+    for spec in AGREEMENT_REPLACEMENTS:
+        if spec == main:
+            continue
+        job = OcclusionJob(config=config.occlusion(spec), traces=str(subset), dataset=config.dataset,
+                           model=config.model, device=config.device)
+        try:
+            result = run_occlusion(job, path / spec, backend)
+        except NothingLabelled as err:
+            unavailable[spec] = str(err)
+            continue
+        except UsageError as err:  # the tokenizer cannot fill this way (no pad token, " " not one token)
+            unavailable[spec] = str(err)
+            continue
+        chosen = result.labels[0].replacement["chosen"] if result.labels[0].replacement else spec
+        sets[chosen], files[chosen] = result.labels, paths.rel(result.labels_path)
+    names = list(sets)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            found = label_agreement(sets[a], sets[b])
+            rows.append({"a": a, "b": b, "traces": found.traces, "positions": found.positions,
+                         "agreement": found.agreement, "kappa": found.kappa, "important_a": found.important_a,
+                         "important_b": found.important_b})
+    return {"traces": ids, "files": files, "rows": rows, "unavailable": unavailable}
+
+
+# --- signals --------------------------------------------------------------------------------------------------------
+def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: Path, paths: Paths) -> Outputs:
+    """Every scorer's replayed scores (`evictor.replay`) and the per-layer interpretability signals
+    (`probes.signals`: g_l raw, rolling mean, rolling z; key norms; attention received) of the labelled traces."""
+    from tqdm import tqdm
+
+    from evictor.policy import configured_policy
+    from evictor.replay import ReplayConfig, build_engines, replay_signals
+    from models.loading import load_model
+    from probes.signals.__main__ import SignalsConfig, claim_output, trace_signals
+
+    ids = set(labels["labelled_ids"])
+    todo_traces = [t for t in read_traces(paths.abs(traces["traces"])) if t.id in ids]
+    if not todo_traces:
+        return {"files": [], "reason": "no labelled trace"}
+    lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    replay = ReplayConfig(seed=config.seed, tail=config.tail)
+    policies = {name: {} for name in config.scorers}
+    files = []
+    out = path / REPLAY_FILE
+    identity = {"traces": traces["traces"], "ids": sorted(ids), "model": config.model, "dtype": config.dtype,
+                "policies": [configured_policy(n, p).config() for n, p in policies.items()], "replay": replay.to_dict()}
+    with claim_output(out, identity) as run:
+        engines = build_engines(lm, policies, replay)
+        run.save_config(loaded_model=lm.describe(), protocol=replay.protocol().to_dict())
+        store = run.store(out.name, key="id")
+        todo = [t for t in todo_traces if t.id not in store]
+        with tqdm(total=len(todo) * len(engines), desc="replayed scores", unit="policy", file=sys.stderr) as bar:
+            for record in replay_signals(lm, engines, todo, replay, progress=bar.update):
+                store.append(record.to_json())
+    files.append(paths.rel(out))
+    for smoothing, signals in SMOOTHED_SIGNALS.items():
+        signals = tuple(s for s in signals if s != ATTENTION_RECEIVED or s not in config.scorers)
+        signal_config = SignalsConfig(signals=signals, smoothing=smoothing, window=config.signal_window)
+        out = path / f"signals-{smoothing}.jsonl"
+        identity = {"traces": traces["traces"], "ids": sorted(ids), "model": config.model, "dtype": config.dtype,
+                    **signal_config.record_settings()}
+        with claim_output(out, identity) as run:
+            run.save_config(loaded_model=lm.describe())
+            store = run.store(out.name, key="id")
+            todo = [t for t in todo_traces if t.id not in store]
+            for record in tqdm(trace_signals(lm, todo, signal_config), total=len(todo), unit="trace",
+                               desc=f"signals ({smoothing})", file=sys.stderr):
+                store.append(record.to_json())
+        files.append(paths.rel(out))
+    return {"files": files, "traces": len(todo_traces), "scorers": list(config.scorers)}
+
+
+# --- selection ------------------------------------------------------------------------------------------------------
+def default_configs() -> dict[str, dict[str, Any]]:
+    """The configurations every study's evictor stage runs: each paper's default scorer and the baselines."""
+    names = dict.fromkeys([*PAPER_DEFAULTS.values(), *BASELINES])
+    papers = {policy: paper for paper, policy in PAPER_DEFAULTS.items()}
+    return {name: {"policy": name, "params": {},
+                   "provenance": {"source": "study", "role": f"{papers[name]} default" if name in papers else
+                                  "baseline"}}
+            for name in names}
+
+
+def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path: Path, paths: Paths) -> Outputs:
+    """Rank every (scorer, layer) pair by within-trace Spearman rho with the labels (`validation.select`) and choose
+    the --top configurations; inconclusive (with its n) when the data cannot support an interval."""
+    from validation.layers import LayersConfig
+    from validation.report import write_csv, write_json
+    from validation.select import SelectConfig, select
+
+    if not signals.get("files"):
+        return inconclusive(labels.get("reason") or signals.get("reason") or "no labelled trace", 0, 0)
+    files = tuple(str(paths.abs(f)) for f in signals["files"])
+    transforms = {smoothing: f"{smoothing}{config.signal_window}" for smoothing in ("mean", "z")}
+    analysis = LayersConfig(labels=str(paths.abs(labels["labels"])), signals=files, family=BAND_FAMILY,
+                            raw_transform=transforms["mean"], detrended_transform=transforms["z"], level=config.level,
+                            n_boot=config.n_boot, seed=config.seed)
+    n_traces, n_eff = informative(analysis)
+    try:
+        selection = select(SelectConfig(analysis, config.top))
+    except UsageError as err:
+        return inconclusive(str(err), n_traces, n_eff)
+    path.mkdir(parents=True, exist_ok=True)
+    write_csv(path / "ranking.csv", selection.ranking)
+    summary = selection.summary(SelectConfig(analysis, config.top))
+    write_json(path / "selection.json", summary)
+    return {"status": "selected" if selection.chosen else "inconclusive",
+            "reason": None if selection.chosen else "no scorer that a policy computes has a positive within-trace rho",
+            "n_traces": n_traces, "n_eff": n_eff, "ranking": paths.rel(path / "ranking.csv"),
+            "bands": summary["bands"], "band_layers": summary["band_layers"],
+            "nonfinite_positions_dropped": summary["nonfinite_positions_dropped"], "n_tokens": summary["n_tokens"],
+            "chosen": selection.chosen, "configs": selection.configs, "labels": labels["labels"],
+            "signals": list(signals["files"])}
+
+
+def informative(analysis) -> tuple[int, int]:
+    """(traces aligned, traces whose labels vary: n_eff), or (0, 0) when labels and signals do not align."""
+    from validation.correlation import informative_traces
+    from validation.signals import load_aligned
+
+    try:
+        aligned = load_aligned(analysis.labels, analysis.signals).finite()
+    except UsageError:
+        return 0, 0
+    return len(aligned.traces), informative_traces(aligned)
+
+
+def inconclusive(reason: str, n_traces: int, n_eff: int) -> Outputs:
+    return {"status": "inconclusive", "reason": reason, "n_traces": n_traces, "n_eff": n_eff, "chosen": [],
+            "configs": {}, "ranking": None, "bands": [], "band_layers": None}
+
+
+# --- evictor --------------------------------------------------------------------------------------------------------
+def sweeps(config: StudyConfig, selection: Outputs) -> dict[str, dict[str, dict[str, Any]]]:
+    """Sweep name -> its configurations: the baselines and paper defaults in one sweep, each selected configuration
+    not among them in its own (one sweep holds one configuration per policy name)."""
+    defaults = default_configs()
+    evicting = [b for b in config.budgets if b < 1]
+    plan = {BASELINE_SWEEP: defaults if evicting else {"full": defaults["full"]}}
+    if not evicting:
+        return plan
+    for name, chosen in selection["configs"].items():
+        runs_as = ran_as(name, chosen, defaults)
+        if runs_as not in defaults:
+            plan[runs_as] = {runs_as: chosen}
+    return plan
+
+
+def ran_as(name: str, chosen: dict[str, Any], defaults: dict[str, dict[str, Any]]) -> str:
+    """The name a selected configuration runs under: the default configuration it equals (a baseline or a paper's
+    default), else ``selected-<name>`` (a default of the same policy may run beside it)."""
+    for default, config in defaults.items():
+        if (config["policy"], config["params"]) == (chosen["policy"], chosen["params"]):
+            return default
+    return SELECTED + name
+
+
+def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], reference: Path,
+                 problem_ids: tuple[str, ...] | None = None):
+    from evictor.protocol import resolve_protocol
+    from evictor.run import SweepConfig
+
+    settings = {"protect": config.protect}
+    sampling = resolve_protocol(config.protocol, settings).sampling
+    generation = generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
+    return SweepConfig(generation=dataclasses.replace(generation, problem_ids=problem_ids),
+                       policies=tuple(c["policy"] for c in configs.values()),
+                       budgets=tuple(b for b in config.budgets if b < 1) or config.budgets,
+                       protocol=config.protocol, protocol_settings=settings,
+                       policy_params={c["policy"]: c["params"] for c in configs.values()},
+                       reference=str(reference), batch_size=config.batch_size)
+
+
+def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, path: Path,
+                  paths: Paths, backend: BackendConfig, quiet: bool) -> Outputs:
+    """Every configuration at every budget under one protocol (`evictor.run.run_sweep`), fractional budgets of each
+    problem's dense trace length; on every problem, or with ``evict_problems="labelled"`` on the labelled ones (all
+    problems when none was labelled, so the baselines still run)."""
+    from evictor.run import run_sweep
+
+    reference = paths.abs(traces["traces"])
+    labelled = tuple(labels.get("labelled_ids") or ())
+    problem_ids = labelled if config.evict_problems == "labelled" and labelled else None
+    cells, plan = [], {}
+    for name, configs in sweeps(config, selection).items():
+        out = path / name
+        rows = run_sweep(sweep_config(config, configs, reference, problem_ids), out, backend=backend, quiet=quiet)
+        plan[name] = {"path": paths.rel(out), "configs": configs}
+        cells += [{**cell.to_json(), "sweep": name, "config": config_label(name, cell.policy, configs)}
+                  for cell in rows]
+    return {"sweeps": plan, "cells": cells}
+
+
+def config_label(sweep: str, policy: str, configs: dict[str, dict[str, Any]]) -> str:
+    """How a cell's configuration is named in tables: the policy, or the selected configuration's name."""
+    return policy if sweep == BASELINE_SWEEP else next(iter(configs))
+
+
+# --- compare --------------------------------------------------------------------------------------------------------
+def compare_stage(config: StudyConfig, evictor: Outputs, paths: Paths) -> Outputs:
+    """Each configuration against random (prompt kept) at each budget: paired problem-clustered bootstrap and exact
+    sign test (`validation.compare`), refusing cells of unequal peak cache."""
+    from validation.compare import EVERY_POLICY, CompareConfig, compare
+
+    baseline = evictor["sweeps"][BASELINE_SWEEP]
+    if REFERENCE not in baseline["configs"]:
+        return {"rows": [], "reason": "no budget below 1: nothing was evicted"}
+    pairs = [(BASELINE_SWEEP, policy) for policy in baseline["configs"] if policy != REFERENCE]
+    pairs += [(name, EVERY_POLICY) for name in evictor["sweeps"] if name != BASELINE_SWEEP]
+    rows = []
+    for sweep, policy in pairs:
+        plan = evictor["sweeps"][sweep]
+        runs = (str(paths.abs(plan["path"])), str(paths.abs(baseline["path"])))
+        try:
+            result = compare(CompareConfig(runs=runs, policies=(policy, REFERENCE), n_boot=config.compare_n_boot,
+                                           level=config.level, seed=config.seed))
+        except UsageError as err:  # unequal peak cache, or no shared problem: reported, not hidden
+            rows.append({"sweep": sweep, "config": policy, "policy_b": REFERENCE, "error": str(err)})
+            continue
+        for row in result.comparisons:
+            rows.append({"sweep": sweep, "config": config_label(sweep, row["policy_a"], plan["configs"]), **row})
+    return {"rows": rows}
+

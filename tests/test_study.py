@@ -1,0 +1,279 @@
+"""`python -m study` on a saved tiny model and a four-problem data file: every deliverable, resume reusing every stage,
+a changed labelling setting recomputing labels and every stage after them, the reported rho recomputed from the
+labels and signals files with scipy, the selected configuration running in the evictor, degenerate labels (an
+inconclusive selection that still runs the baselines), and bad input (exit 2, one line, nothing written).
+
+A random-init model never states an answer, so the labelling tests extract a toy answer (the first two characters of
+a regeneration), as tests/test_labeling_cli.py does: every reference has one and windows can flip.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from scipy.stats import spearmanr
+
+import tasks.grading
+from core.rundir import RunDir
+from evictor.run import main as evictor_main
+from study.__main__ import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCORERS = "epikv,valuediff,keydiff,h2o,recency,random"
+STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "compare")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "problems.jsonl"
+    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _toy_answer(text: str, dataset: str | None = None) -> str:
+    return text[:2] or "-"
+
+
+def _same(a: str, b: str, **kw) -> bool:
+    return a == b
+
+
+def study_args(tiny_dir, data_file, out, *extra):
+    return ["--model", str(tiny_dir), "--dataset", "gsm8k", "--data-file", data_file, "--limit", "4",
+            "--max-new-tokens", "24", "--include-incorrect", "--budget", "0.5", "--window", "8", "--stride", "4",
+            "--max-answer-tokens", "4", "--tail", "6", "--scorers", SCORERS, "--n-boot", "100", "--compare-n-boot",
+            "100", "--quiet", "--out", str(out), *extra]
+
+
+def run_study(tiny_dir, data_file, out, *extra, answer=_toy_answer):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks.grading, "extract_answer", answer)
+        patch.setattr(tasks.grading, "is_equivalent", _same)
+        return main(study_args(tiny_dir, data_file, out, *extra))
+
+
+def stage_statuses(report: str) -> dict[str, str]:
+    return {name: re.search(rf"^\| {name} \| (\w+) \|", report, re.M).group(1) for name in STAGES}
+
+
+def stage_dirs(out) -> set[str]:
+    return {path.name for path in (out / "stages").iterdir()}
+
+
+@pytest.fixture(scope="module")
+def study(tiny_dir, data_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "out"
+    assert run_study(tiny_dir, data_file, out) == 0
+    return out
+
+
+def test_the_study_writes_every_deliverable(study):
+    report = (study / "report.md").read_text()
+    for heading in ("**Question.**", "## Settings", "## Stages", "## 1. Traces and occlusion labels",
+                    "### Label agreement", "## 2. Signals, statistics and selection", "## 3. Eviction at equal cache",
+                    "## 4. Against random", "### What is significant", "## Reproduce"):
+        assert heading in report
+    assert set(stage_statuses(report).values()) == {"computed"}
+    for stem in ("scorer_ranking", "layer_rho", "signals_by_layer", "accuracy_budget", "difference_vs_random"):
+        assert (study / "figures" / f"{stem}.png").stat().st_size > 0
+        assert f"](figures/{stem}.png)" in report
+    selection = json.loads((study / "selection.json").read_text())
+    assert selection["status"] == "selected" and selection["n_eff"] == 4
+    ran = {c["policy"] for c in selection["configs"].values()}
+    assert {"full", "random", "recency", "epikv", "valuediff"} <= ran  # baselines and every paper's default
+    assert selection["policy"] == selection["chosen"][0]["policy"]
+    for name, config in selection["configs"].items():
+        assert json.loads((study / config["file"]).read_text())["policy"] == config["policy"]
+        assert config["file"] == f"configs/{name}.json"
+    rows = list(csv.DictReader((study / "compare.csv").open()))
+    assert rows and all(r["policy_b"] == "random" and not r["error"] for r in rows)
+    assert {r["equal_cache"] for r in rows if r["policy_a"] != "full"} == {"True"}  # equal peak cache, checked
+    assert {r["policy_a"] for r in rows} >= {"full", "recency", "epikv", "valuediff"}
+    accuracy = list(csv.DictReader((study / "accuracy.csv").open()))
+    peaks = {r["max_peak_slots"] for r in accuracy if r["policy"] != "full"}
+    assert len(peaks) == 1  # one protocol, one protection: every evicting cell held the same peak cache
+    agreement = re.search(r"\| (\w+) \| delete \| 2 \|", report)
+    assert agreement is not None  # two traces relabelled by deletion and compared
+
+
+def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scipy(study):
+    report = (study / "report.md").read_text()
+    labels_path = study / re.search(r"^- labels: `([^`]+)`", report, re.M).group(1)
+    signal_paths = [study / p for p in re.findall(r"^- signals: `([^`]+)`", report, re.M)]
+    assert len(signal_paths) == 4
+    ranking = list(csv.DictReader((study / "ranking.csv").open()))
+    reported = next(r for r in ranking if r["signal"].startswith("valuediff.l") and r["within_rho"] != "nan")
+    family, layer, transform = re.fullmatch(r"(\w+)\.l(\d+)\.(\w+)", reported["signal"]).groups()
+
+    labels = {r["id"]: r for r in map(json.loads, labels_path.read_text().splitlines()) if r["status"] == "labelled"}
+    signals = {}
+    for path in signal_paths:
+        for record in map(json.loads, path.read_text().splitlines()):
+            columns = [v for per_layer in record["signals"].values() for v in per_layer.values()]
+            signals.setdefault(record["id"], []).append((record, columns))
+    rhos = []
+    for trace_id, label in labels.items():
+        span = range(label["reasoning_start"], label["answer_start"])
+        # positions where any signal of any file is undefined are left out for every signal (the report says so)
+        kept = [p for p in span if all(column[p] is not None for _, columns in signals[trace_id]
+                                       for column in columns)]
+        record = next(r for r, _ in signals[trace_id] if family in r["signals"])
+        x = [record["signals"][family][layer][p] for p in kept]
+        y = [label["labels"][p] for p in kept]
+        rho = spearmanr(x, y).statistic
+        if np.isfinite(rho):
+            rhos.append(rho)
+    mean = np.tanh(np.mean(np.arctanh(np.clip(rhos, -0.9999, 0.9999))))
+    assert transform == "raw" and len(rhos) == int(reported["within_n_eff"])
+    assert mean == pytest.approx(float(reported["within_rho"]), abs=1e-9)
+
+
+def test_the_selected_configuration_runs_in_the_evictor(study, tiny_dir, data_file, tmp_path):
+    selection = json.loads((study / "selection.json").read_text())
+    traces = next((study / "stages").glob("traces-*")) / "generations.jsonl"
+    argv = ["--policy-config", str(study / "selection.json"), "--model", str(tiny_dir), "--dataset", "gsm8k",
+            "--data-file", data_file, "--limit", "4", "--max-new-tokens", "24", "--budget", "0.5", "--reference",
+            str(traces), "--protocol", "epikv", "--protect", "prompt", "--quiet", "--out", str(tmp_path / "rerun")]
+    assert evictor_main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "rerun" / "generations.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in records} == {selection["policy"]} and len(records) == 4
+
+
+def test_resume_reuses_every_stage_and_a_labelling_change_recomputes_from_labels_on(study, tiny_dir, data_file,
+                                                                                    tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(study, out)
+    before = stage_dirs(out)
+    assert run_study(tiny_dir, data_file, out) == 0
+    assert set(stage_statuses((out / "report.md").read_text()).values()) == {"reused"}
+    assert stage_dirs(out) == before
+
+    assert run_study(tiny_dir, data_file, out, "--stride", "8") == 0
+    statuses = stage_statuses((out / "report.md").read_text())
+    assert statuses == {"traces": "reused", **{name: "computed" for name in STAGES[1:]}}
+    added = stage_dirs(out) - before
+    assert {name.split("-")[0] for name in added} == set(STAGES[1:])
+    assert len(list(out.glob("stages/labels-*/labels.jsonl"))) == 2  # the first settings' labels are kept
+
+
+def test_uniform_labels_make_the_selection_inconclusive_and_the_baselines_still_run(tiny_dir, data_file, tmp_path):
+    fresh = itertools.count()
+    out = tmp_path / "out"
+    # every regeneration "answers" differently, so every window flips and every position is important
+    assert run_study(tiny_dir, data_file, out, "--agreement-traces", "0",
+                     answer=lambda text, dataset=None: str(next(fresh))) == 0
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["status"] == "inconclusive" and selection["n_eff"] == 0 and selection["n_traces"] == 4
+    assert selection["policy"] == "epikv" and selection["chosen"] == []
+    report = (out / "report.md").read_text()
+    assert "**Selection inconclusive** (n = 4 aligned traces, n_eff = 0" in report
+    assert re.search(r"^\| agreement \| off \|", report, re.M)
+    policies = {r["policy_a"] for r in csv.DictReader((out / "compare.csv").open())}
+    assert policies == {"full", "recency", "epikv", "valuediff"}
+
+
+def test_no_correct_trace_is_inconclusive_without_labels(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "out"
+    argv = [a for a in study_args(tiny_dir, data_file, out) if a != "--include-incorrect"]
+    assert main(argv) == 0  # the real answer extraction: the tiny model answers nothing, so nothing is correct
+    selection = json.loads((out / "selection.json").read_text())
+    assert selection["status"] == "inconclusive" and "no correctly answered trace among 4" in selection["reason"]
+    statuses = stage_statuses((out / "report.md").read_text())
+    assert statuses["signals"] == "off" and statuses["evictor"] == "computed"
+
+
+def test_evicting_only_the_labelled_problems(tiny_dir, data_file, tmp_path):
+    """Two of four problems answered correctly (a grader that accepts gold 2 and 4): only they are labelled, and with
+    --evict-problems labelled only they are decoded under eviction."""
+    out = tmp_path / "out"
+    argv = [a for a in study_args(tiny_dir, data_file, out, "--evict-problems", "labelled")
+            if a != "--include-incorrect"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks.grading, "extract_answer", _toy_answer)
+        patch.setattr(tasks.grading, "is_equivalent", lambda a, b, **kw: b in ("2", "4"))
+        assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["study"]["evict_problems"] == "labelled"
+    (evictor,) = (out / "stages").glob("evictor-*")
+    records = [json.loads(line) for file in evictor.rglob("generations.jsonl") for line in file.read_text().splitlines()
+               if line.strip()]
+    assert records and {r["id"] for r in records} == {"p1", "p2"}
+    assert "the labelled ones" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (("--model", "smollm3"), "unknown model 'smollm3'"),
+    (("--dataset", "gsm9k"), "unknown dataset 'gsm9k'"),
+    (("--budget", "0"), "--budget '0' is outside (0, 1]"),
+    (("--budget", "0.5,1.5"), "--budget '1.5' is outside (0, 1]"),
+    (("--budget", "half"), "--budget 'half' is not a number"),
+    (("--scorers", "valuedif"), "did you mean 'valuediff'"),
+    (("--scorers", "full"), "evicts nothing"),
+    (("--protocol", "h2o"), "invalid choice: 'h2o'"),
+    (("--evict-problems", "some"), "invalid choice: 'some'"),
+    (("--traces", "missing.jsonl"), "does not exist"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tiny_dir, data_file, tmp_path, capsys, change, message):
+    out = tmp_path / "out"
+    argv = study_args(tiny_dir, data_file, out)
+    flag, value = change
+    argv = argv[: argv.index(flag) + 1] + [value] + argv[argv.index(flag) + 2:] if flag in argv else \
+        [*argv, flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_an_out_that_is_a_file_unwritable_or_in_use_exits_2(tiny_dir, data_file, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out, message in ((blocker, "is a file"), (blocker / "below", "cannot create it")):
+        assert main(study_args(tiny_dir, data_file, out)) == 2
+        assert message in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    with RunDir(busy, {"run": "kvscope study"}):
+        assert main(study_args(tiny_dir, data_file, busy)) == 2
+        assert "in use by another run" in capsys.readouterr().err
+    assert not (busy / "stages").exists()
+
+
+def test_reused_traces_are_labelled_as_they_are(study, tiny_dir, data_file, tmp_path):
+    traces = next((study / "stages").glob("traces-*")) / "generations.jsonl"
+    out = tmp_path / "out"
+    assert run_study(tiny_dir, data_file, out, "--traces", str(traces), "--agreement-traces", "0") == 0
+    report = (out / "report.md").read_text()
+    assert "| dense traces | reused from --traces |" in report
+    record = json.loads(next(out.glob("stages/traces-*/stage.json")).read_text())
+    assert record["outputs"]["traces"] == str(traces.resolve()) and not list(out.glob("stages/traces-*/*.jsonl"))
+    labels = next(out.glob("stages/labels-*/labels.jsonl")).read_text()
+    assert labels == next(study.glob("stages/labels-*/labels.jsonl")).read_text()  # the same traces, the same labels
+
+
+def test_reused_traces_must_hold_every_problem_of_the_model(study, tiny_dir, data_file, tmp_path, capsys):
+    traces = next((study / "stages").glob("traces-*")) / "generations.jsonl"
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(traces.read_text().splitlines(keepends=True)[:2]))
+    assert main(study_args(tiny_dir, data_file, tmp_path / "out", "--traces", str(short))) == 2
+    assert "has no trace of problem(s) p3, p4" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_selected_configuration_runs_beside_the_default_of_its_policy_or_as_the_default_it_equals():
+    from study.config import StudyConfig
+    from study.stages import BASELINE_SWEEP, sweeps
+
+    bands = {"policy": "epikv", "params": {"positive_layers": [1], "negative_layers": [3], "window": 64}}
+    selection = {"configs": {"epikv": bands, "valuediff": {"policy": "valuediff", "params": {}}}}
+    plan = sweeps(StudyConfig(dataset="gsm8k", budgets=(0.25, 1.0)), selection)
+    assert list(plan) == [BASELINE_SWEEP, "selected-epikv"] and plan["selected-epikv"] == {"selected-epikv": bands}
+    assert plan[BASELINE_SWEEP]["epikv"]["params"] == {}  # EpiKV's default still runs, under its own name
+    only_whole = sweeps(StudyConfig(dataset="gsm8k", budgets=(1.0,)), selection)
+    assert list(only_whole) == [BASELINE_SWEEP] and list(only_whole[BASELINE_SWEEP]) == ["full"]
