@@ -29,6 +29,7 @@ sliding-window layers first, and selects.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,6 +305,21 @@ class Session:
         logits = self._forward(tokens.view(-1, 1).to(self.device), positions, [1] * self.batch)
         self._after_forward(boundary=False)
         return logits
+
+    def teacher_force(self, tokens: Sequence[int], block: int = 1) -> None:
+        """Append the known `tokens` of a one-sequence session at its next positions, `block` per forward: what
+        `block` = 1 calls of `step` do, with the logits dropped. Observe, the attention feed (one row per query) and
+        the step count see every token; a round can fire only after a block, so use a budget no round reaches."""
+        if self.batch != 1:
+            raise ValueError(f"teacher_force feeds one sequence, this session holds {self.batch}")
+        for start in range(0, len(tokens), block):
+            chunk = [int(t) for t in tokens[start : start + block]]
+            self.step_index += len(chunk)
+            positions = torch.arange(self.next_pos[0], self.next_pos[0] + len(chunk), dtype=torch.int32,
+                                     device=self.device)[None, :]
+            ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            self._forward(ids, positions, [len(chunk)])
+            self._after_forward(boundary=False)
 
     def begin_decode(self) -> None:
         self.phase = "decode"

@@ -7,9 +7,11 @@ replayed scores is the policy deployed.
 For each trace (``prompt_ids + generated_ids``, `core.schemas.Trace`) and policy, the replay
 
 1. opens the policy's own engine `Session` and teacher-forces the trace: the prompt as a prefill (in blocks of
-   `ReplayConfig.block`, one block by default), then one `Session.step` per generated token up to the answer
-   boundary (`labeling.windows.find_answer_boundary`, the boundary the occlusion labels use), so `observe`, the
-   attention feed and every per-slot state evolve exactly as in a real decode; no round fires on the way;
+   `ReplayConfig.block`, one block by default), then the generated tokens up to the answer boundary
+   (`labeling.windows.find_answer_boundary`, the boundary the occlusion labels use), one decode step per token or,
+   with `ReplayConfig.teacher_block` > 1, that many per forward (`Session.teacher_force`): `observe`, the attention
+   feed and every per-slot state see each token as in a real decode, and no round fires on the way. Blocks give
+   the step-by-step scores to float32 rounding at a fraction of the time (a block forward reads the weights once);
 2. holds one scoring round there, after the forward of position ``answer_start - 1``, and returns every layer's
    scores without selecting or compacting anything.
 
@@ -90,6 +92,7 @@ class ReplayConfig:
 
     keep: float | None = None  # survivors of the round: tokens, or a fraction of the span; None: every candidate
     block: int = WHOLE_PROMPT  # prefill block size (one block by default: rounding as a plain prefill)
+    teacher_block: int = 32  # generated tokens per teacher-forced forward (1: one decode step per token)
     query_window: int | None = None  # attention queries kept per slot (None: each policy's own)
     seed: int = 0
     tail: int = DEFAULT_TAIL  # the answer span of a trace with neither </think> nor \boxed{ (as the labels)
@@ -97,8 +100,9 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.keep is not None and (not self.keep > 0 or (self.keep >= 1 and self.keep != int(self.keep))):
             raise UsageError(f"keep must be a positive whole number of tokens or a fraction in (0, 1), got {self.keep}")
-        if self.block < 1 or self.tail < 0:
-            raise UsageError(f"block must be >= 1 and tail >= 0, got {self.block} and {self.tail}")
+        if self.block < 1 or self.teacher_block < 1 or self.tail < 0:
+            raise UsageError(f"block and teacher_block must be >= 1 and tail >= 0, got {self.block}, "
+                             f"{self.teacher_block} and {self.tail}")
 
     def protocol(self) -> EvictionConfig:
         """The engine settings of a replay: prompt protected, no buffer, no recency window, step trigger."""
@@ -116,10 +120,13 @@ class ReplayConfig:
 
 
 def replay_scores(engine, prompt_ids: list[int], generated_ids: list[int], answer_start: int, *, keep: int,
-                  seed: int) -> torch.Tensor:
+                  seed: int, teacher_block: int = 1) -> torch.Tensor:
     """``[layer, kv_head, answer_start - len(prompt_ids)]`` float32 (CPU): every layer's scores of the reasoning
     positions at a round held after the forward of position ``answer_start - 1`` of a teacher-forced session of
-    `engine` (an `evictor.engine.EvictionEngine` with `ReplayConfig.protocol`), `keep` survivors, seeded `seed`."""
+    `engine` (an `evictor.engine.EvictionEngine` with `ReplayConfig.protocol`), `keep` survivors, seeded `seed`,
+    the generated tokens fed `teacher_block` per forward. Every registered policy scores the same whatever the block
+    (to float32 rounding of the block matmuls; tests/test_replay.py), since the engine observes and feeds attention
+    one query row at a time within a forward, as in a block-wise prefill."""
     start = len(prompt_ids)
     span = answer_start - start
     if not 0 <= span <= len(generated_ids):
@@ -133,8 +140,7 @@ def replay_scores(engine, prompt_ids: list[int], generated_ids: list[int], answe
     with torch.inference_mode(), engine.session([list(prompt_ids)], [answer_start], max_new_tokens=span,
                                                 seed=seed) as session:
         session.prefill()
-        for token in fed:
-            session.step(torch.tensor([token]))
+        session.teacher_force(fed, teacher_block)
         candidate = torch.ones(1, 1, span, dtype=torch.bool, device=session.device)
         scores = session.round_scores((start, answer_start), candidate, keep)  # no padding, no eviction: slot = pos
     return torch.stack([layer[0] for layer in scores]).float().cpu()
@@ -201,7 +207,7 @@ def replay_signals(lm, engines: Mapping[str, ReplayedPolicy], traces: Iterable[T
         signals: dict[str, dict[str, list[float | None]]] = {}
         for name, replayed in engines.items():
             scores = replay_scores(replayed.engine, trace.prompt_ids, trace.generated_ids, boundary.answer_start,
-                                   keep=keep, seed=seed)
+                                   keep=keep, seed=seed, teacher_block=config.teacher_block)
             signals.update(policy_signals(name, replayed.engine.policy, scores, start, n_tokens))
             if progress is not None:
                 progress()
@@ -237,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "fraction of the reasoning span (default: every candidate)")
     parser.add_argument("--block", type=positive_int, default=WHOLE_PROMPT,
                         help="prefill block size (default: the whole prompt in one block)")
+    parser.add_argument("--teacher-block", type=positive_int, default=ReplayConfig.teacher_block,
+                        help="generated tokens fed per forward: 1 replays one decode step per token; a larger block "
+                        "gives the same scores to float32 rounding, several times faster on CPU (default "
+                        f"{ReplayConfig.teacher_block})")
     parser.add_argument("--query-window", type=positive_int, default=None,
                         help="attention queries kept per slot (default: each policy's own)")
     parser.add_argument("--tail", type=non_negative_int, default=DEFAULT_TAIL,
@@ -273,8 +283,8 @@ def _run(argv: list[str] | None) -> int:
 
     args = build_parser().parse_args(argv)
     policies = chosen_policies(args.policies, args.policy_config)
-    config = ReplayConfig(keep=args.keep, block=args.block, query_window=args.query_window, seed=args.seed,
-                          tail=args.tail)
+    config = ReplayConfig(keep=args.keep, block=args.block, teacher_block=args.teacher_block,
+                          query_window=args.query_window, seed=args.seed, tail=args.tail)
     traces = read_dense_traces(args.traces, args.limit)
     model_name = traces_model(traces, args.model)
     out = Path(args.out)

@@ -193,3 +193,19 @@ def test_cli_refuses_bad_input_in_one_line(traces_file, tmp_path, capsys):
                                         "raas": {"policy": "raas", "params": {"threshold": 2.0}}}
     stored = json.loads((tmp_path / "signals.config.json").read_text())["identity"]["policies"]
     assert stored == [{"name": "h2o"}, {"name": "raas", "threshold": 2.0}]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", SCORED)
+def test_teacher_forcing_in_blocks_gives_the_stepwise_scores(name, family, peaked, calibrations):
+    """Feeding the generated tokens 7 per forward (not a divisor of any policy's period) scores as one decode step
+    per token does, to float32 rounding of the block matmuls, for every registered policy."""
+    lm = peaked[family]
+    params = calibrations.get(name, {})
+    if params and family != "llama":
+        pytest.skip("the calibration files are made on tiny-llama")
+    engine = EvictionEngine(lm, get_policy(name, **params), ReplayConfig().protocol())
+    args = (engine, PROMPT, GENERATED, ANSWER_START)
+    stepwise = replay_scores(*args, keep=SPAN, seed=SEED)
+    blocked = replay_scores(*args, keep=SPAN, seed=SEED, teacher_block=7)
+    torch.testing.assert_close(blocked, stepwise, rtol=1e-4, atol=1e-5, equal_nan=True)

@@ -24,7 +24,8 @@ policy keeps its high scores), are chosen, and each gets the configuration ``{"p
 Outputs under --out: ``selection.json`` (the settings, the ranked table with rho, intervals and n_eff, the bands, the
 chosen scorers with their configurations), ``ranking.csv`` (the table), ``configs/<name>.json`` (one per chosen
 scorer, named after its policy), ``best.json`` (a copy of the best chosen scorer's configuration, so a pipeline can
-name it without knowing which policy won; absent when nothing is chosen), ``config.json``. The library entry point is `select(SelectConfig(...))`.
+name it without knowing which policy won; absent when nothing is chosen), ``config.json``. The library entry point
+is `select(SelectConfig(...))`.
 """
 
 from __future__ import annotations
