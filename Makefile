@@ -8,10 +8,11 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	@source scripts/env.sh && $(PY) -m tasks.run --model smollm2-135m --dataset math500 --limit 5 --max-new-tokens 256 --out $(OUT)
+	@source scripts/env.sh && $(PY) -m study --model smollm2-135m --dataset gsm8k --limit 4 --max-new-tokens 160 \
+		--include-incorrect --budget 0.5 --out $(OUT)
 
 test: setup
-	@source scripts/env.sh && $(PY) -m pytest -m "not slow" -q
+	@source scripts/env.sh && $(PY) -m ruff check . && $(PY) -m pytest -m "not slow" -q
 
 test-slow: setup
 	@source scripts/env.sh && $(PY) -m pytest -m slow -q
