@@ -176,3 +176,19 @@ def _read_holder(fd: int) -> str:
     if not holder:
         return "holder unknown"
     return f"pid {holder.get('pid')}, started {holder.get('started')}: {holder.get('command')}"
+
+
+def source_revision() -> dict[str, Any] | None:
+    """The kvscope source a run used: ``{"commit": sha, "dirty": bool}`` (dirty: tracked files differ from the
+    commit), or None outside a git checkout or without git. Recorded so a committed result names what made it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(status.strip())}

@@ -26,7 +26,7 @@ from typing import Any
 
 from core.backend import BackendConfig, connected
 from core.cli import write_json
-from core.rundir import RunDir
+from core.rundir import RunDir, source_revision
 from labeling.occlusion import estimate_seconds as labelling_seconds
 from labeling.occlusion import format_duration
 from study import stages
@@ -213,7 +213,8 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
     out = Path(out)
     started = time.perf_counter()
     with RunDir(out, IDENTITY) as run, connected(backend):
-        run.save_config(study=config.to_json(), command=command, backend=dataclasses.asdict(backend))
+        run.save_config(study=config.to_json(), command=command, backend=dataclasses.asdict(backend),
+                        revision=source_revision())
         study = Study(config, out, backend, quiet)
         paths, rec = study.paths, study.records
         study.run("traces", settings["traces"],

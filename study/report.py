@@ -1,6 +1,7 @@
 """The study's deliverables, written from its stages' outputs: ``report.md`` (self-contained: the question, the
 settings, the tables, the figures inline, what is significant and what is not, the commands to reproduce),
-``figures/*.png``, ``selection.json``, ``configs/<name>.json``, ``ranking.csv``, ``accuracy.csv`` and ``compare.csv``.
+``figures/*.png``, ``selection.json``, ``configs/<name>.json``, ``ranking.csv``, ``layers.csv`` and ``positional.csv``
+(the per-layer analysis, when the selection ran), ``accuracy.csv`` and ``compare.csv``.
 
 ``selection.json`` is itself a policy configuration: its top-level ``policy`` and ``params`` are the primary
 configuration (the best selected scorer, or EpiKV's default when the selection is inconclusive), so
@@ -18,6 +19,7 @@ from typing import Any
 
 from core.cli import atomic_write
 from core.errors import UsageError
+from core.rundir import source_revision
 from study import stages
 from study.config import PAPER_DEFAULTS, REFERENCE
 from validation.report import write_csv, write_json
@@ -89,6 +91,9 @@ def write_selection(result) -> dict[str, Any]:
     if selection.get("ranking"):
         ranking = read_rows(stages.Paths(out).abs(selection["ranking"]))
         write_csv(out / "ranking.csv", ranking)
+    for table in ("layers", "positional"):  # the per-layer analysis behind the bands, when the stage wrote it
+        if selection.get(table):
+            write_csv(out / f"{table}.csv", read_rows(stages.Paths(out).abs(selection[table])))
     summary = {
         "policy": primary["policy"], "params": primary["params"], "primary": name,
         "status": selection["status"], "reason": selection.get("reason"),
@@ -334,7 +339,11 @@ def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
 def reproduce_section(result, summary: dict) -> str:
     c = result.config
     selection = result["selection"]
-    lines = ["The whole study (rerunning it reuses every finished stage):", "", "```",
+    revision = source_revision()
+    source = ("kvscope from an unknown source (not a git checkout)" if revision is None else
+              f"kvscope commit `{revision['commit']}`" + (" with uncommitted changes" if revision["dirty"] else ""))
+    lines = [f"Made with {source} (also in `config.json`).", "",
+             "The whole study (rerunning it reuses every finished stage):", "", "```",
              shlex.join(result.command) if result.command else "(run through the library: study.run_study)", "```"]
     if selection.get("signals"):
         select = ["python", "-m", "validation.select", "--labels", selection["labels"], "--signals",

@@ -276,11 +276,17 @@ def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path
         return inconclusive(str(err), n_traces, n_eff)
     path.mkdir(parents=True, exist_ok=True)
     write_csv(path / "ranking.csv", selection.ranking)
+    write_csv(path / "layers.csv", selection.result.rows)  # per-layer rho of each signal and transform
+    positional = None
+    if selection.result.positional:  # raw vs detrended: rho with the labels and with position, per layer
+        positional = path / "positional.csv"
+        write_csv(positional, selection.result.positional)
     summary = selection.summary(SelectConfig(analysis, config.top))
     write_json(path / "selection.json", summary)
     return {"status": "selected" if selection.chosen else "inconclusive",
             "reason": None if selection.chosen else "no scorer that a policy computes has a positive within-trace rho",
             "n_traces": n_traces, "n_eff": n_eff, "ranking": paths.rel(path / "ranking.csv"),
+            "layers": paths.rel(path / "layers.csv"), "positional": positional and paths.rel(positional),
             "bands": summary["bands"], "band_layers": summary["band_layers"],
             "nonfinite_positions_dropped": summary["nonfinite_positions_dropped"], "n_tokens": summary["n_tokens"],
             "chosen": selection.chosen, "configs": selection.configs, "labels": labels["labels"],

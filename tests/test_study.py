@@ -102,6 +102,10 @@ def test_the_study_writes_every_deliverable(study):
     assert len(peaks) == 1  # one protocol, one protection: every evicting cell held the same peak cache
     agreement = re.search(r"\| (\w+) \| delete \| 2 \|", report)
     assert agreement is not None  # two traces relabelled by deletion and compared
+    layers = list(csv.DictReader((study / "layers.csv").open()))  # the per-layer analysis behind the bands
+    assert {r["layer"] for r in layers} >= {"0.0", "3.0"} and (study / "positional.csv").is_file()
+    revision = json.loads((study / "config.json").read_text())["revision"]
+    assert revision is None or len(revision["commit"]) == 40 and f"`{revision['commit']}`" in report
 
 
 def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scipy(study):
