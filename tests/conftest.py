@@ -47,6 +47,15 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
+def write_arithmetic_problems(path, n: int) -> str:
+    """`n` problems "What is i + i?" (ids p1..pn, answer 2i) as a JSONL data file at `path`; its path as a string."""
+    import json
+
+    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, n + 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The default real model (SmolLM2-135M-Instruct), fp32 SDPA on CPU."""

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import write_arithmetic_problems  # tests/ is on sys.path under pytest
 
 from core.errors import UsageError
 from core.rundir import RunDir
@@ -28,10 +29,7 @@ CELL_COLUMNS = ["kind"] + [f.name for f in dataclasses.fields(Cell) if f.name !=
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "problems.jsonl"
-    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 4)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_arithmetic_problems(tmp_path_factory.mktemp("data") / "problems.jsonl", 3)
 
 
 def run(tiny_dir, data_file, out, *extra):

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import write_arithmetic_problems  # tests/ is on sys.path under pytest
 
 import tasks.grading
 
@@ -62,9 +63,7 @@ def command_main(module: str):
 
 
 def test_the_readme_pipeline_runs_as_written(tiny_dir, tmp_path, monkeypatch):
-    data_file = tmp_path / "problems.jsonl"
-    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 7)]
-    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data_file = write_arithmetic_problems(tmp_path / "problems.jsonl", 6)
     monkeypatch.setattr(tasks.grading, "extract_answer", lambda text, dataset=None: text[:2] or "-")
     monkeypatch.setattr(tasks.grading, "is_equivalent", lambda a, b, **kw: a == b)
     monkeypatch.chdir(tmp_path)

@@ -17,6 +17,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import write_arithmetic_problems  # tests/ is on sys.path under pytest
 from scipy.stats import spearmanr
 
 import tasks.grading
@@ -32,10 +33,7 @@ STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "c
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "problems.jsonl"
-    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_arithmetic_problems(tmp_path_factory.mktemp("data") / "problems.jsonl", 4)
 
 
 def _toy_answer(text: str, dataset: str | None = None) -> str:
