@@ -58,6 +58,18 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return read_table(path).to_dict("records")
 
 
+def distinct_scorers(ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The best row of each scorer and transform: one row for a policy's scores at all of its layers and heads (a
+    position-only score such as recency repeats the same rho at every layer), one per transform of g_l."""
+    seen, rows = set(), []
+    for row in ranking:
+        key = (str(row["family"]).split(".")[0], row["transform"])
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return rows
+
+
 def budget_text(budget: Any) -> str:
     return "–" if budget is None or isinstance(budget, float) and not math.isfinite(budget) else f"{budget:g}"
 
@@ -104,7 +116,7 @@ def write_selection(result) -> dict[str, Any]:
                    for c in selection["chosen"]],
         "configs": {n: {**c, "file": f"configs/{n}.json"} for n, c in configs.items()},
         "ranking": [{k: row[k] for k in ("rank", "signal", "within_rho", "within_lo", "within_hi", "within_n_eff",
-                                         "policy")} for row in ranking[:SHOWN_SCORERS]],
+                                         "policy")} for row in distinct_scorers(ranking)[:SHOWN_SCORERS]],
     }
     write_json(out / "selection.json", summary)
     return summary
@@ -140,7 +152,7 @@ def draw_figures(result, ranking: list[dict[str, str]], accuracy: list[dict], co
     bands = [r for r in layered if r["family"] == stages.BAND_FAMILY]
     others = [r for r in layered if r["family"] != stages.BAND_FAMILY]
     deployable = [{**r, "policy": r["policy"] if isinstance(r["policy"], str) else "(no policy)"}
-                  for r in ranking[:SHOWN_SCORERS]]
+                  for r in distinct_scorers(ranking)[:SHOWN_SCORERS]]
     evicting = [r for r in comparisons if r.get("error") is None]
     drawn = {}
     plans = {
@@ -250,15 +262,16 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
                      f"{selection['n_eff']} with varying labels): {selection['reason']}. The evictor stage ran the "
                      "baselines and each paper's default scorer only.")
     if ranking:
+        shown = distinct_scorers(ranking)[:SHOWN_SCORERS]
         rows = [[r["rank"], r["signal"], fmt(r["within_rho"]), f"[{fmt(r['within_lo'])}, {fmt(r['within_hi'])}]",
                  f"[{fmt(r['within_boot_lo'])}, {fmt(r['within_boot_hi'])}]", r["within_n_eff"],
                  fmt(r["within_p_adj"]), "yes" if r["within_significant"] is True else "no", fmt(r["position_rho"]),
-                 r["policy"] if isinstance(r["policy"], str) else "–"] for r in ranking[:SHOWN_SCORERS]]
+                 r["policy"] if isinstance(r["policy"], str) else "–"] for r in shown]
         lines += [f"Scorers ranked by within-trace Spearman rho with the labels (one rho per trace, Fisher-z mean, "
                   f"n_eff = traces with a defined rho; {selection['n_tokens']} reasoning positions, "
                   f"{selection['nonfinite_positions_dropped']} positions where any signal is undefined left out for "
-                  f"every signal); the top {min(SHOWN_SCORERS, len(ranking))} of {len(ranking)} (all in "
-                  "`ranking.csv`):", "",
+                  f"every signal); the best layer and head of each scorer and transform, {len(rows)} of "
+                  f"{len(ranking)} rows (all in `ranking.csv`):", "",
                   table(["rank", "scorer", "rho", f"{level} Fisher z", f"{level} bootstrap", "n_eff", "p (FDR)",
                          "significant", "rho with position", "deploys"], rows), "",
                   figure_md(figures, "scorer_ranking"), "", figure_md(figures, "layer_rho"), "",

@@ -279,3 +279,15 @@ def test_a_selected_configuration_runs_beside_the_default_of_its_policy_or_as_th
     assert plan[BASELINE_SWEEP]["epikv"]["params"] == {}  # EpiKV's default still runs, under its own name
     only_whole = sweeps(StudyConfig(dataset="gsm8k", budgets=(1.0,)), selection)
     assert list(only_whole) == [BASELINE_SWEEP] and list(only_whole[BASELINE_SWEEP]) == ["full"]
+
+
+def test_the_report_shows_each_scorer_once_at_its_best_layer_and_head():
+    from study.report import distinct_scorers
+
+    ranking = [{"signal": s, "family": f, "transform": t} for s, f, t in (
+        ("recency.l0.raw", "recency", "raw"), ("recency.l1.raw", "recency", "raw"),
+        ("keydiff.h1.l2.raw", "keydiff.h1", "raw"), ("keydiff.agg.raw", "keydiff", "raw"),
+        ("hidden_diff.l5.mean64", "hidden_diff", "mean64"), ("hidden_diff.l3.z64", "hidden_diff", "z64"),
+        ("hidden_diff.l4.mean64", "hidden_diff", "mean64"))]
+    assert [r["signal"] for r in distinct_scorers(ranking)] == [
+        "recency.l0.raw", "keydiff.h1.l2.raw", "hidden_diff.l5.mean64", "hidden_diff.l3.z64"]
