@@ -6,7 +6,8 @@ must say the same (`jupytext --sync notebooks/*.py` rewrites it). Each notebook 
 `tiny-llama` (random init, built in-process) with tiny limits injected after its `parameters` cell, into a temporary
 out_dir; the test checks it ran without error and wrote each expected figure as a non-empty PNG and PDF. A
 random-init model never states an answer, so occlusion labelling would skip every trace: layer_anatomy is given
-hand-made traces and labels instead (labelling has its own tests).
+hand-made traces and labels instead (labelling has its own tests). The findings notebook loads no model: it redraws
+the committed tables under results/.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ EXPECTED_FIGURES = {
     "eviction_budgets": ["accuracy_vs_budget"],
     "planted_fact_passcode": ["head_set_retrieval"],
     "speed_memory": ["cost_vs_budget", "prefill_memory", "projection_epikv", "projection_model"],
+    "findings": ["layer_rho", "scorer_ranking", "accuracy_budget", "difference_vs_random", "sink_vs_ratio",
+                 "head_set_retrieval"],
 }
 
 # "solution" is the filler text of the planted-fact probe.
@@ -49,6 +52,8 @@ TINY_PROBLEMS = [
 
 
 def tiny_parameters(name: str, tmp: Path) -> dict:
+    if name == "findings":  # redraws the committed results: no model
+        return {"results_dir": str(ROOT / "results"), "out_dir": str(tmp / "out")}
     data_file = tmp / "problems.jsonl"
     data_file.write_text("".join(json.dumps(p) + "\n" for p in TINY_PROBLEMS))
     common = {"model": "tiny-llama", "out_dir": str(tmp / "out"), "torch_threads": 1}
