@@ -157,7 +157,7 @@ def _start_or_join(config: BackendConfig) -> None:
             raise UsageError(f"--address {config.address!r}: cannot reach a Ray head there ({err}); start one with "
                              "`ray start --head` or give its HOST:PORT") from None
     try:
-        # Workers' output stays in Ray's logs (/tmp/ray/session_latest/logs on each node): the driver's terminal
+        # Workers' output stays in Ray's session logs on each node (session_latest/logs): the driver's terminal
         # holds the progress bar; a worker's exceptions come back with their results.
         ray.init(address=config.address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
