@@ -175,7 +175,7 @@ protection = study_dir / "protection" / "comparison.csv"
 if protection.is_file():
     sweep = pd.read_csv(protection)
     display(sweep[["policy_a", "budget_a", "n_problems", "accuracy_a", "accuracy_b", "difference", "ci_lo",
-                   "ci_hi", "bootstrap_p"]].round(3))
+                   "ci_hi", "bootstrap_p", "sign_n_discordant"]].round(3))
     claims = {"random_unprotected": ("dropping the prompt rule collapses random", "0.46 -> 0.87 with the rule", -1),
               "random_shared": ("a shared draw scores as the per-head draw", "0.871 vs 0.874", 0)}
     for policy, (claim, paper, direction) in claims.items():
@@ -183,8 +183,14 @@ if protection.is_file():
         if rows.empty:
             continue
         r = rows.iloc[0]
-        result = (verdict(r["ci_lo"], r["ci_hi"], direction) if direction else
-                  "reproduced" if r["ci_lo"] <= 0 <= r["ci_hi"] else "not reproduced")
+        # With fewer than 6 problems answered differently, no exact sign test can reach p < 0.05: the two
+        # policies barely diverged, so the run cannot speak to the claim either way.
+        if r["sign_n_discordant"] < 6:
+            result = f"inconclusive ({int(r['sign_n_discordant'])} of {int(r['n_problems'])} problems differ)"
+        elif direction:
+            result = verdict(r["ci_lo"], r["ci_hi"], direction)
+        else:
+            result = "reproduced" if r["ci_lo"] <= 0 <= r["ci_hi"] else "not reproduced"
         add(claim, paper, f"{100 * r['difference']:+.1f} points vs random ({r['accuracy_a']:.2f} vs "
             f"{r['accuracy_b']:.2f})", interval(r["ci_lo"], r["ci_hi"]), int(r["n_problems"]), result,
             f"{study}/protection")
