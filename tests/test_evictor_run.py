@@ -412,3 +412,23 @@ def test_policy_all_leaves_out_the_calibrated_policies_saying_how_to_include_the
     assert config.policies == ("triattention", "r_kv")  # the files' policies are the default --policy
     with pytest.raises(UsageError, match="configures 'r_kv' a second time"):
         _sweep_config(build_parser().parse_args([*argv, "--policy-config", str(rkv), "--policy-config", str(rkv)]))
+
+
+def test_a_ruler_task_is_compressed_block_by_block_and_graded(tiny_dir, tmp_path):
+    """The long-context protocol on a generated RULER task: the prompt (the haystack) is longer than K, so the cache
+    is pruned at every block boundary and never holds more than K + B; the full cell keeps all of it."""
+    out = tmp_path / "ruler"
+    argv = ["--model", tiny_dir, "--dataset", "ruler_niah_multikey@512", "--limit", "2", "--policy", "full,valuediff",
+            "--budget", "128", "--protocol", "valuediff", "--max-new-tokens", "4", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    for cell, peak in (("full", None), ("valuediff-K128", 128 + 128)):
+        records = lines(out / cell / "generations.jsonl")
+        assert [r["id"] for r in records] == ["ruler_niah_multikey@512-0", "ruler_niah_multikey@512-1"]
+        for record in records:
+            prompt = len(record["prompt_ids"])
+            assert 256 < prompt <= 512 + 64 and len(record["gold"]) == 7 and record["gold"].isdigit()
+            if peak is None:
+                assert record["eviction"]["rounds"] == 0 and record["eviction"]["peak_slots"] >= prompt
+            else:
+                assert record["eviction"]["peak_slots"] == peak
+                assert record["eviction"]["rounds"] >= math.ceil(prompt / 128) - 1
