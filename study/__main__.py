@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"registry name ({', '.join(sorted(REGISTRY))}), a local HF directory, a .gguf file or a "
                         f"hub id (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dataset", required=True, help="benchmark: gsm8k, math500, aime24 (see tasks.datasets)")
+    parser.add_argument("--dataset", required=True, help="benchmark: gsm8k, math500, aime24, or a RULER task such as "
+                        "ruler_niah_single@2048 (see tasks.datasets)")
     parser.add_argument("--data-file", default=None,
                         help="read problems from this JSONL file instead of $KVSCOPE_DATA_DIR or the hub")
     parser.add_argument("--limit", type=positive_int, default=None,
@@ -69,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--limit problems) instead of generating them")
     parser.add_argument("--budget", required=True,
                         help="comma list of cache budgets, each a fraction in (0, 1] of each problem's dense trace "
-                        "length (what K counts is the --protocol's; a fraction of 1 keeps the whole dense trace, "
-                        "which the evictor cannot express as a budget: such a budget runs no eviction cell)")
+                        "length or a whole number of tokens K >= 2 (what K counts is the --protocol's; a fraction of "
+                        "1 keeps the whole dense trace, which the evictor cannot express as a budget: such a budget "
+                        "runs no eviction cell). RULER tasks (ruler_*) take tokens only: the prompt is what is "
+                        "compressed, and they skip labelling, signals and selection (their answer has no reasoning "
+                        "span), so the study measures accuracy against compression")
     labels = parser.add_argument_group("occlusion labels (labeling.occlusion)")
     labels.add_argument("--include-incorrect", action="store_true",
                         help="also label wrongly answered traces, against the model's own answer (default: correctly "

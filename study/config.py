@@ -42,19 +42,41 @@ EVICT_PROBLEMS = ("all", "labelled")
 
 
 def parse_budgets(text: str) -> tuple[float, ...]:
-    """``"0.25,0.5"`` -> (0.25, 0.5): fractions of each problem's dense trace length, each in (0, 1]."""
+    """``"0.25,0.5"`` -> (0.25, 0.5): fractions in (0, 1] of each problem's dense trace length; ``"256,1024"`` ->
+    (256, 1024): K in tokens (integers >= 2, the evictor's own budgets; what K counts is the protocol's)."""
     budgets = []
     for part in (p.strip() for p in str(text).split(",")):
         try:
             value = float(part)
         except ValueError:
             raise UsageError(f"--budget {part!r} is not a number; give fractions in (0, 1] of each problem's dense "
-                             "trace length, e.g. 0.25,0.5") from None
-        if not math.isfinite(value) or not 0 < value <= 1:
-            raise UsageError(f"--budget {part!r} is outside (0, 1]; give fractions of each problem's dense trace "
-                             "length, e.g. 0.25,0.5")
-        budgets.append(value)
+                             "trace length (e.g. 0.25,0.5) or token budgets (e.g. 256,1024)") from None
+        if math.isfinite(value) and value > 1 and value.is_integer():
+            budgets.append(int(value))
+        elif math.isfinite(value) and 0 < value <= 1:
+            budgets.append(value)
+        else:
+            raise UsageError(f"--budget {part!r} is neither a fraction in (0, 1] of each problem's dense trace length "
+                             "nor a whole number of tokens >= 2; e.g. 0.25,0.5 or 256,1024")
     return tuple(sorted(set(budgets)))
+
+
+def evicts(budget: float) -> bool:
+    """Whether a budget runs an eviction cell: every budget but 1, the whole dense trace (which the evictor would
+    read as one token)."""
+    return budget != 1
+
+
+def is_long_context(dataset: str) -> bool:
+    """A RULER task: the evidence is in the prompt (the haystack), the answer a few tokens with no reasoning span."""
+    from tasks.ruler import parse_name
+
+    return parse_name(dataset) is not None
+
+
+# Why a study of a long-context task has no labelling stage: what occlusion of the generated trace would label.
+LONG_CONTEXT_LABELS = ("a RULER task's answer has no reasoning span to occlude (its evidence is the prompt), so the "
+                       "study measures accuracy against compression only")
 
 
 def parse_names(text: str, flag: str) -> tuple[str, ...]:
@@ -110,6 +132,15 @@ class StudyConfig:
         check_model_name(self.model)
         if not self.budgets:
             raise UsageError("give at least one --budget fraction")
+        if is_long_context(self.dataset):
+            fractions = [b for b in self.budgets if isinstance(b, float)]
+            if fractions:
+                raise UsageError(f"--budget {','.join(f'{b:g}' for b in fractions)} on {self.dataset}: a RULER task "
+                                 "compresses its prompt, so give K in tokens (e.g. 256,1024), not fractions of the "
+                                 "few answer tokens")
+            if self.protect == "prompt":
+                raise UsageError(f"--protect prompt on {self.dataset} keeps the whole haystack, so nothing can be "
+                                 "evicted; valid choices: sinks, none")
         self.occlusion()  # window, stride, replacement, dtype
         check_spec(self.replacement)
         if self.protocol not in PROTOCOLS:

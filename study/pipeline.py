@@ -30,7 +30,7 @@ from core.rundir import RunDir, source_revision
 from labeling.occlusion import estimate_seconds as labelling_seconds
 from labeling.occlusion import format_duration
 from study import stages
-from study.config import StudyConfig
+from study.config import LONG_CONTEXT_LABELS, StudyConfig, evicts, is_long_context
 
 STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "compare")
 MARKER = "stage.json"
@@ -131,6 +131,8 @@ def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord
     traces = done.get("traces")
     if traces is None or not traces.outputs.get("tokens_per_s"):
         return None
+    if name in ("labels", "agreement", "signals") and is_long_context(config.dataset):
+        return 0.0
     rate, length = traces.outputs["tokens_per_s"], traces.outputs["mean_generated"]
     to_label = traces.outputs["n"] if config.include_incorrect else traces.outputs["correct"]
     labelled = done["labels"].outputs.get("labelled", 0) if "labels" in done else to_label
@@ -143,7 +145,7 @@ def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord
         steps = labelled * (len(config.scorers) + 1) * max(0, length - config.tail)
         return steps * STEP_OVERHEAD / rate / REPLAY_SPEEDUP
     if name == "evictor":
-        cells = 1 + (len(stages.default_configs()) - 1 + config.top) * sum(b < 1 for b in config.budgets)
+        cells = 1 + (len(stages.default_configs()) - 1 + config.top) * sum(evicts(b) for b in config.budgets)
         evicted = labelled if config.evict_problems == "labelled" and labelled else n_problems
         return cells * evicted * length * STEP_OVERHEAD / rate / config.batch_size ** 0.5
     return 0.0
@@ -226,7 +228,8 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
         study.run("traces", settings["traces"],
                   lambda d: stages.traces_stage(config, problems, d, paths, backend))
         study.run("labels", settings["labels"],
-                  lambda d: stages.labels_stage(config, rec["traces"].outputs, d, paths, backend))
+                  lambda d: stages.labels_stage(config, rec["traces"].outputs, d, paths, backend),
+                  off=LONG_CONTEXT_LABELS if is_long_context(config.dataset) else None)
         labelled = rec["labels"].outputs.get("labelled", 0)
         off = ("--agreement-traces 0" if config.agreement_traces == 0 else
                None if labelled else "no labelled trace to relabel")

@@ -21,7 +21,7 @@ from core.cli import atomic_write
 from core.errors import UsageError
 from core.rundir import source_revision
 from study import stages
-from study.config import PAPER_DEFAULTS, REFERENCE
+from study.config import PAPER_DEFAULTS, REFERENCE, evicts
 from validation.report import write_csv, write_json
 
 FIGURES = "figures"
@@ -68,6 +68,13 @@ def distinct_scorers(ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
             seen.add(key)
             rows.append(row)
     return rows
+
+
+def budgets_text(budgets) -> str:
+    """A study's budgets in words: fractions of each problem's dense trace length, K in tokens, or both."""
+    parts = [", ".join(f"{b:g}" for b in budgets if isinstance(b, float)) + " of each problem's dense trace length",
+             ", ".join(f"{b}" for b in budgets if isinstance(b, int)) + " tokens (K)"]
+    return "; ".join(part for part, kind in zip(parts, (float, int)) if any(isinstance(b, kind) for b in budgets))
 
 
 def budget_text(budget: Any) -> str:
@@ -204,7 +211,7 @@ def settings_section(result) -> str:
             ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
                                   f"{c.signal_window}), key norm, attention received (h2o)"],
             ["selection", f"top {c.top}, {c.level:.0%} intervals, {c.n_boot} bootstrap replicates over traces"],
-            ["budgets", ", ".join(f"{b:g}" for b in c.budgets) + " of each problem's dense trace length"],
+            ["budgets", budgets_text(c.budgets)],
             ["protocol", f"{c.protocol} for every policy, --protect {c.protect}"],
             ["evicted problems", "every problem" if c.evict_problems == "all" else
              "the labelled ones (accuracy = how often a policy keeps an answer the full cache got right)"],
@@ -295,9 +302,10 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
 def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
     c = result.config
     lines = [f"Every configuration ran under the **{c.protocol}** protocol with `--protect {c.protect}` for all "
-             "policies, so a budget f means the same cache for each: K = ceil(f × L) for each problem's dense trace "
-             "length L, and a cell's peak cache is the most slots any KV head held (`max_peak_slots`)."]
-    skipped = [b for b in c.budgets if b >= 1]
+             "policies, so a budget means the same cache for each (a fraction f: K = ceil(f × L) for each "
+             "problem's dense trace length L; a whole number: K tokens), and a cell's peak cache is the most slots "
+             "any KV head held (`max_peak_slots`)."]
+    skipped = [b for b in c.budgets if not evicts(b)]
     if skipped:
         lines.append("A budget of 1 (the whole dense trace) has no eviction cell: the evictor reads a budget of 1 as "
                      "one token.")
@@ -369,7 +377,7 @@ def reproduce_section(result, summary: dict) -> str:
     evict = ["python", "-m", "evictor.run", "--policy-config", "selection.json", "--model", c.model, "--dataset",
              c.dataset, *(["--data-file", c.data_file] if c.data_file else []),
              *(["--limit", str(c.limit)] if c.limit else []), "--max-new-tokens", str(c.max_new_tokens), "--budget",
-             ",".join(f"{b:g}" for b in c.budgets if b < 1) or "0.5", "--reference", result["traces"]["traces"],
+             ",".join(f"{b:g}" for b in c.budgets if evicts(b)) or "0.5", "--reference", result["traces"]["traces"],
              "--protocol", c.protocol, "--protect", c.protect, "--seed", str(c.seed), "--out", f"rerun-{name}"]
     lines += ["", f"The primary configuration ({name}, the top level of `selection.json`; every other one is in "
               "`configs/`) in the evictor (run in this directory):", "", "```", shlex.join(evict), "```"]

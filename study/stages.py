@@ -26,7 +26,7 @@ from core.backend import BackendConfig, run_units
 from core.errors import UsageError
 from core.rundir import RunDir
 from core.schemas import Label, Trace, read_records
-from study.config import AGREEMENT_REPLACEMENTS, BASELINES, PAPER_DEFAULTS, REFERENCE, StudyConfig
+from study.config import AGREEMENT_REPLACEMENTS, BASELINES, PAPER_DEFAULTS, REFERENCE, StudyConfig, evicts
 
 Outputs = dict[str, Any]
 TRACES_FILE = "generations.jsonl"
@@ -315,7 +315,7 @@ def sweeps(config: StudyConfig, selection: Outputs) -> dict[str, dict[str, dict[
     """Sweep name -> its configurations: the baselines and paper defaults in one sweep, each selected configuration
     not among them in its own (one sweep holds one configuration per policy name)."""
     defaults = default_configs()
-    evicting = [b for b in config.budgets if b < 1]
+    evicting = [b for b in config.budgets if evicts(b)]
     plan = {BASELINE_SWEEP: defaults if evicting else {"full": defaults["full"]}}
     if not evicting:
         return plan
@@ -345,7 +345,7 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
     generation = generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
     return SweepConfig(generation=dataclasses.replace(generation, problem_ids=problem_ids),
                        policies=tuple(c["policy"] for c in configs.values()),
-                       budgets=tuple(b for b in config.budgets if b < 1) or config.budgets,
+                       budgets=tuple(b for b in config.budgets if evicts(b)) or config.budgets,
                        protocol=config.protocol, protocol_settings=settings,
                        policy_params={c["policy"]: c["params"] for c in configs.values()},
                        reference=str(reference), batch_size=config.batch_size)
@@ -353,9 +353,9 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
 
 def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, path: Path,
                   paths: Paths, backend: BackendConfig, quiet: bool) -> Outputs:
-    """Every configuration at every budget under one protocol (`evictor.run.run_sweep`), fractional budgets of each
-    problem's dense trace length; on every problem, or with ``evict_problems="labelled"`` on the labelled ones (all
-    problems when none was labelled, so the baselines still run)."""
+    """Every configuration at every budget under one protocol (`evictor.run.run_sweep`), fractions of each problem's
+    dense trace length or K in tokens; on every problem, or with ``evict_problems="labelled"`` on the labelled ones
+    (all problems when none was labelled, so the baselines still run)."""
     from evictor.run import run_sweep
 
     reference = paths.abs(traces["traces"])

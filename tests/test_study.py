@@ -214,8 +214,9 @@ def test_evicting_only_the_labelled_problems(tiny_dir, data_file, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (("--model", "smollm3"), "unknown model 'smollm3'"),
     (("--dataset", "gsm9k"), "unknown dataset 'gsm9k'"),
-    (("--budget", "0"), "--budget '0' is outside (0, 1]"),
-    (("--budget", "0.5,1.5"), "--budget '1.5' is outside (0, 1]"),
+    (("--budget", "0"), "--budget '0' is neither a fraction in (0, 1]"),
+    (("--budget", "0.5,1.5"), "--budget '1.5' is neither a fraction in (0, 1]"),
+    (("--dataset", "ruler_niah_single@512"), "--budget 0.5 on ruler_niah_single@512: a RULER task compresses"),
     (("--budget", "half"), "--budget 'half' is not a number"),
     (("--scorers", "valuedif"), "did you mean 'valuediff'"),
     (("--scorers", "full"), "evicts nothing"),
@@ -291,3 +292,42 @@ def test_the_report_shows_each_scorer_once_at_its_best_layer_and_head():
         ("hidden_diff.l4.mean64", "hidden_diff", "mean64"))]
     assert [r["signal"] for r in distinct_scorers(ranking)] == [
         "recency.l0.raw", "keydiff.h1.l2.raw", "hidden_diff.l5.mean64", "hidden_diff.l3.z64"]
+
+
+def test_budgets_are_fractions_of_the_dense_trace_or_whole_tokens():
+    from study.config import parse_budgets
+
+    assert parse_budgets("0.5,0.25,0.5") == (0.25, 0.5)
+    assert parse_budgets("1024,256") == (256, 1024) and all(isinstance(b, int) for b in parse_budgets("256,1024"))
+    assert parse_budgets("1,0.5") == (0.5, 1.0)
+
+
+def test_a_ruler_study_measures_accuracy_against_compression_without_labels(tiny_dir, tmp_path):
+    """A RULER task's evidence is its prompt: the study skips labelling (saying why), compresses the haystack to K
+    tokens with every default policy and compares each with random at the same peak cache."""
+    out = tmp_path / "ruler"
+    argv = ["--model", str(tiny_dir), "--dataset", "ruler_niah_single@512", "--limit", "2", "--max-new-tokens", "4",
+            "--budget", "128,256", "--protocol", "valuediff", "--protect", "sinks", "--compare-n-boot", "100",
+            "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    report = (out / "report.md").read_text()
+    assert "| labels | off |" in report and "no reasoning span to occlude" in report
+    (evictor,) = (out / "stages").glob("evictor-*")
+    cells = sorted(p.parent.name for p in evictor.rglob("generations.jsonl"))
+    assert cells == sorted(["full", *(f"{p}-K{k}" for p in ("epikv", "random", "recency", "valuediff")
+                                      for k in (128, 256))])
+    for record in (json.loads(line) for line in (evictor / "baselines" / "valuediff-K128" / "generations.jsonl")
+                   .read_text().splitlines()):
+        assert len(record["prompt_ids"]) > 256 and record["eviction"]["peak_slots"] <= 128 + 128
+    with open(out / "compare.csv") as handle:
+        compared = {(row["config"], row["budget_a"]) for row in csv.DictReader(handle) if row["policy_b"] == "random"}
+    assert {("valuediff", "128"), ("epikv", "256"), ("recency", "128")} <= compared
+
+
+def test_a_ruler_study_refuses_a_protected_prompt(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "ruler"
+    argv = ["--model", str(tiny_dir), "--dataset", "ruler_niah_single@512", "--budget", "128", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--protect prompt on ruler_niah_single@512 keeps the whole haystack" in err and "sinks, none" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
