@@ -1,7 +1,7 @@
 """Decode throughput at equal KV memory: each policy at the largest batch whose cache fits a memory cap, vs `full`.
 
     .venv/bin/python bench/equal_memory.py [--memory-gb 1] [--context 4096] [--budget 256] [--new-tokens 64]
-                                           [--max-batch 16] [--policies random,valuediff,epikv,h2o]
+                                           [--max-batch 16] [--policies random,valuediff,epikv,h2o] [--out DIR]
 
 Random Attention's equal-memory serving table (its Tables 10-11): eviction pays in batch, because the memory it
 frees holds more sequences. For every policy (and `full`, the baseline) in one run:
@@ -37,6 +37,7 @@ not) and shrinks with K.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -147,13 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt and of random policies")
     add_device_arguments(parser)
+    parser.add_argument("--out", default=None,
+                        help="also write the table to OUT/equal_memory.csv with the settings in OUT/config.json "
+                        "(default: print only)")
     return parser
 
 
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from core.rundir import RunDir
     from evictor.policy import get_policy
     from models.loading import load_model
+    from validation.report import write_csv as write_rows
 
     if args.memory_gb <= 0:
         raise UsageError(f"--memory-gb must be positive, got {args.memory_gb:g}")
@@ -161,7 +167,17 @@ def _run(argv: list[str] | None = None) -> int:
     for name in policies:
         get_policy(name)  # an unknown name fails here, before the model loads
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    with RunDir(args.out, identity) if args.out else contextlib.nullcontext() as run:
+        rows = _measure_and_print(args, policies, load_model(args.model, device=args.device, dtype=args.dtype))
+        if run is not None:
+            write_rows(run.path / "equal_memory.csv", rows)
+            run.save_config(threads=args.threads)
+            print(f"\nwritten to {run.path}/equal_memory.csv")
+    return 0
+
+
+def _measure_and_print(args, policies: list[str], lm) -> list[dict]:
     memory = int(args.memory_gb * GB)
     print(f"{args.model} ({lm.kernel}, {lm.model.dtype}, {lm.device}, {args.threads} thread(s)); KV cap "
           f"{memory / GB:.2f} GiB; context {args.context}, {args.new_tokens} new tokens; K={args.budget}, "
@@ -173,7 +189,7 @@ def _run(argv: list[str] | None = None) -> int:
                    repeats=args.repeats, short_prompt=args.short_prompt, seed=args.seed)
     print()
     print_table(rows)
-    return 0
+    return rows
 
 
 main = main_guard(_run)

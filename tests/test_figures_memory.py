@@ -3,7 +3,9 @@ memory benchmarks built on it (bench/prefill_memory.py, bench/equal_memory.py)."
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import json
 import warnings
 from pathlib import Path
 
@@ -256,3 +258,22 @@ def test_equal_memory_batch_comes_from_the_engine_cache(llama, monkeypatch):
     short = equal.measure(llama, ["random"], memory=3 * 112 * slot, context=100, new_tokens=12, budget=32, buffer=8,
                           block=16, max_batch=4, short_prompt=True)
     assert [(r["prompt"], r["seq_mb"]) for r in short] == [(100, 112 * slot / MB), (32 + 8 + 16, 65 * slot / MB)]
+
+
+def test_equal_memory_writes_its_table_and_settings_with_out(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    equal = bench("equal_memory")
+    out = tmp_path / "equal"
+    argv = ["--model", str(tiny_dir), "--policies", "random,valuediff", "--memory-gb", "0.001", "--context", "100",
+            "--budget", "32", "--buffer", "8", "--block", "16", "--new-tokens", "12", "--max-batch", "2",
+            "--device", "cpu", "--out", str(out)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert equal.main(argv) == 0
+    with open(out / "equal_memory.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["policy"], r["batch"]) for r in rows] == [("full", "2"), ("random", "2"), ("valuediff", "2")]
+    assert float(rows[0]["ratio"]) == 1.0 and all(float(r["ratio"]) > 0 for r in rows)
+    config = json.loads((out / "config.json").read_text())
+    assert config["identity"]["memory_gb"] == 0.001 and config["identity"]["policies"] == "random,valuediff"
+    assert f"written to {out}/equal_memory.csv" in capsys.readouterr().out
