@@ -21,7 +21,7 @@ from core.cli import atomic_write
 from core.errors import UsageError
 from core.rundir import source_revision
 from study import stages
-from study.config import PAPER_DEFAULTS, REFERENCE, evicts
+from study.config import PAPER_DEFAULTS, REFERENCE, evicts, is_long_context
 from validation.report import write_csv, write_json
 
 FIGURES = "figures"
@@ -203,14 +203,16 @@ def settings_section(result) -> str:
     rows = [["model", c.model], ["dataset", f"{c.dataset}" + (f" ({c.data_file})" if c.data_file else "")],
             ["problems", f"{result['traces']['n']} (--limit {c.limit})"], ["max new tokens", c.max_new_tokens],
             ["dense traces", "reused from --traces" if c.traces else "generated greedily"],
-            ["labelled traces", "every trace (--include-incorrect)" if c.include_incorrect else
-             "correctly answered only (EpiKV)"],
-            ["occlusion", f"window {c.window}, stride {c.stride}, replacement {c.replacement}, answer regenerated up "
-                          f"to {c.max_answer_tokens} tokens, tail {c.tail}"],
-            ["scorers replayed", ", ".join(c.scorers)],
-            ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
-                                  f"{c.signal_window}), key norm, attention received (h2o)"],
-            ["selection", f"top {c.top}, {c.level:.0%} intervals, {c.n_boot} bootstrap replicates over traces"],
+            *([["labels, signals, selection", "off (a RULER task: its evidence is the prompt)"]]
+              if is_long_context(c.dataset) else [
+                ["labelled traces", "every trace (--include-incorrect)" if c.include_incorrect else
+                 "correctly answered only (EpiKV)"],
+                ["occlusion", f"window {c.window}, stride {c.stride}, replacement {c.replacement}, answer "
+                              f"regenerated up to {c.max_answer_tokens} tokens, tail {c.tail}"],
+                ["scorers replayed", ", ".join(c.scorers)],
+                ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
+                                      f"{c.signal_window}), key norm, attention received (h2o)"],
+                ["selection", f"top {c.top}, {c.level:.0%} intervals, {c.n_boot} bootstrap replicates over traces"]]),
             ["budgets", budgets_text(c.budgets)],
             ["protocol", f"{c.protocol} for every policy, --protect {c.protect}"],
             ["evicted problems", "every problem" if c.evict_problems == "all" else
@@ -417,12 +419,18 @@ def write_report(result) -> Path:
     write_csv(result.out / "accuracy.csv", accuracy)
     figures = draw_figures(result, ranking, accuracy, comparisons)
     c = result.config
+    defaults = ", ".join(f"{p}: {n}" for p, n in PAPER_DEFAULTS.items())
+    question = (
+        "How much of the dense model's accuracy does each policy keep when the long prompt is compressed to K "
+        f"tokens, and does any beat evicting at random at equal peak cache? Each paper's default scorer ({defaults}) "
+        "and recency run; with no labels there is no selection." if is_long_context(c.dataset) else
+        "Which cheap per-token signal finds the reasoning tokens the model's answer depends on (counterfactual "
+        "occlusion labels, EpiKV §3.4), and does evicting the KV cache by the best of them keep more answers than "
+        "evicting at random with the prompt kept (Random Attention) at equal peak cache? Each paper's default scorer "
+        f"({defaults}) runs beside the selected ones.")
     parts = [
         f"# kvscope study: {c.model} on {c.dataset}", "",
-        "**Question.** Which cheap per-token signal finds the reasoning tokens the model's answer depends on "
-        "(counterfactual occlusion labels, EpiKV §3.4), and does evicting the KV cache by the best of them keep more "
-        f"answers than evicting at random with the prompt kept (Random Attention) at equal peak cache? Each paper's "
-        f"default scorer ({', '.join(f'{p}: {n}' for p, n in PAPER_DEFAULTS.items())}) runs beside the selected ones.",
+        f"**Question.** {question}",
         "", f"**Answer.** {answer_line(result, comparisons)}", "",
         "## Settings", "", settings_section(result), "",
         "## Stages", "", stages_section(result), "",

@@ -312,6 +312,8 @@ def test_a_ruler_study_measures_accuracy_against_compression_without_labels(tiny
     assert main(argv) == 0
     report = (out / "report.md").read_text()
     assert "| labels | off |" in report and "no reasoning span to occlude" in report
+    assert "when the long prompt is compressed to K tokens" in report
+    assert "| labels, signals, selection | off (a RULER task: its evidence is the prompt) |" in report
     (evictor,) = (out / "stages").glob("evictor-*")
     cells = sorted(p.parent.name for p in evictor.rglob("generations.jsonl"))
     assert cells == sorted(["full", *(f"{p}-K{k}" for p in ("epikv", "random", "recency", "valuediff")
