@@ -250,35 +250,46 @@ add("random never recovers a passcode stated once", "0% (R-KV 84%, VaSE 34%, Sna
 # ## Long context: RULER accuracy against compression, and the memory eviction frees
 
 # %%
-ruler_dir = root / "ruler-smollm2"
-ruler = pd.read_csv(ruler_dir / "summary.csv")
-# the generated dataset with its length, e.g. "generated:ruler_niah_single@2048 seed=0 ..."
-context = json.loads((ruler_dir / "config.json").read_text())["identity"]["data_source"].split()[0].split(":")[1]
-dense = ruler.loc[ruler["policy"] == "full", "accuracy"].iloc[0]
-evicted = ruler[ruler["policy"] != "full"].assign(retention=lambda t: t["accuracy"] / dense)
-show(plot_accuracy_vs_budget(ruler), fig_dir, "ruler_accuracy_budget")
-display(Markdown(f"{context}, dense accuracy {dense:.2f}; retention (accuracy / dense) per policy and K:"))
-display(evicted.pivot(index="policy", columns="budget", values="retention").round(2))
-versus = pd.read_csv(ruler_dir / "comparison.csv")
-# The same problems with every policy keeping the first 4 tokens (a study run): ValueDiff's own protection is none.
-sinks_kept = pd.read_csv(ruler_dir / "study" / "accuracy.csv")
-with_sinks = sinks_kept[sinks_kept["config"] == "valuediff"]
-display(sinks_kept.pivot(index="config", columns="budget", values="accuracy").round(3))
-quarter = int(context.rpartition("@")[2]) // 4  # ValueDiff's tight budget: 2k of an 8k context
-at_quarter = evicted[evicted["budget"] == quarter].set_index("policy")
-valuediff = at_quarter.loc["valuediff"]
-better = versus[(versus["budget_a"] == quarter) & (versus["policy_a"] != "valuediff") & (versus["ci_lo"] > 0)]
-add("on RULER at a quarter of the context ValueDiff keeps most of dense accuracy, best or tied-best (claimed for "
-    "sink-suppressed models; SmolLM2's sink rate is 0.49)",
-    "88–99% of dense at 2k of 8k tokens on sink-suppressed models, best on 6 of 7",
-    f"K = {quarter}: ValueDiff {100 * valuediff['retention']:.0f}% of dense; "
-    + ", ".join(f"{p} {100 * r:.0f}%" for p, r in at_quarter["retention"].drop("valuediff").items())
-    + "; ValueDiff with the first 4 tokens kept: "
-    + ", ".join(f"{100 * r['accuracy'] / dense:.0f}% at K = {int(r['budget'])}" for _, r in with_sinks.iterrows()),
-    interval(valuediff["ci_lo"], valuediff["ci_hi"]) + " (ValueDiff accuracy)", int(valuediff["problems"]),
-    "reproduced" if valuediff["retention"] >= 0.88 and better.empty else
-    f"not reproduced ({', '.join(better['policy_a'])} significantly better)" if not better.empty else
-    "not reproduced", "ruler-smollm2")
+sink_rates = survey.set_index("model")["sink_rate"]
+for ruler_dir in sorted(root.glob("ruler-*")):
+    ruler = pd.read_csv(ruler_dir / "summary.csv")
+    identity = json.loads((ruler_dir / "config.json").read_text())["identity"]
+    # the generated dataset with its length, e.g. "generated:ruler_niah_single@2048 seed=0 ..."
+    context = identity["data_source"].split()[0].split(":")[1]
+    model = identity["model"]
+    dense = ruler.loc[ruler["policy"] == "full", "accuracy"].iloc[0]
+    evicted = ruler[ruler["policy"] != "full"].copy()
+    evicted["retention"] = evicted["accuracy"] / dense
+    show(plot_accuracy_vs_budget(ruler), fig_dir, f"accuracy_budget_{ruler_dir.name}")
+    display(Markdown(f"{model} on {context}, dense accuracy {dense:.2f}; retention (accuracy / dense) per policy "
+                     "and K:"))
+    display(evicted.pivot(index="policy", columns="budget", values="retention").round(2))
+    versus = pd.read_csv(ruler_dir / "comparison.csv")
+    quarter = int(context.rpartition("@")[2]) // 4  # ValueDiff's tight budget: 2k of an 8k context
+    at_quarter = evicted[evicted["budget"] == quarter].set_index("policy")
+    valuediff = at_quarter.loc["valuediff"]
+    better = versus[(versus["budget_a"] == quarter) & (versus["policy_a"] != "valuediff") & (versus["ci_lo"] > 0)]
+    value = (f"{model}, {context}, K = {quarter}: ValueDiff {100 * valuediff['retention']:.0f}% of dense; "
+             + ", ".join(f"{p} {100 * r:.0f}%" for p, r in at_quarter["retention"].drop("valuediff").items()))
+    at_half = evicted[evicted["budget"] == 2 * quarter].set_index("policy")["retention"]
+    if not at_half.empty:
+        runner_up = at_half.drop("valuediff").idxmax()
+        value += (f"; K = {2 * quarter}: ValueDiff {100 * at_half['valuediff']:.0f}%, best other {runner_up} "
+                  f"{100 * at_half[runner_up]:.0f}%")
+    sinks_kept = ruler_dir / "study" / "accuracy.csv"
+    if sinks_kept.is_file():  # the same problems with every policy keeping the first 4 tokens (a study run)
+        sinks_kept = pd.read_csv(sinks_kept)
+        display(sinks_kept.pivot(index="config", columns="budget", values="accuracy").round(3))
+        value += "; ValueDiff with the first 4 tokens kept: " + ", ".join(
+            f"{100 * r['accuracy'] / dense:.0f}% at K = {int(r['budget'])}"
+            for _, r in sinks_kept[sinks_kept["config"] == "valuediff"].iterrows())
+    add("on RULER at a quarter of the context ValueDiff keeps most of dense accuracy, best or tied-best (claimed for "
+        f"sink-suppressed models; {model}'s sink rate is {sink_rates.get(model, float('nan')):.2f})",
+        "88–99% of dense at 2k of 8k tokens on sink-suppressed models, best on 6 of 7", value,
+        interval(valuediff["ci_lo"], valuediff["ci_hi"]) + " (ValueDiff accuracy)", int(valuediff["problems"]),
+        "reproduced" if valuediff["retention"] >= 0.88 and better.empty else
+        f"not reproduced ({', '.join(better['policy_a'])} significantly better)" if not better.empty else
+        "not reproduced", ruler_dir.name)
 
 prefill = pd.read_csv(root / "prefill-memory" / "prefill_memory.csv")
 deep = prefill[prefill["layers"] == prefill["layers"].max()]

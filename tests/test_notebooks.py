@@ -37,7 +37,7 @@ EXPECTED_FIGURES = {
     "planted_fact_passcode": ["head_set_retrieval"],
     "speed_memory": ["cost_vs_budget", "prefill_memory", "projection_epikv", "projection_model"],
     "findings": ["layer_rho", "scorer_ranking", "accuracy_budget", "difference_vs_random", "sink_vs_ratio",
-                 "head_set_retrieval", "ruler_accuracy_budget"],
+                 "head_set_retrieval", "accuracy_budget_ruler-smollm2"],
 }
 
 # "solution" is the filler text of the planted-fact probe.
