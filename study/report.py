@@ -72,9 +72,10 @@ def distinct_scorers(ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def budgets_text(budgets) -> str:
     """A study's budgets in words: fractions of each problem's dense trace length, K in tokens, or both."""
-    parts = [", ".join(f"{b:g}" for b in budgets if isinstance(b, float)) + " of each problem's dense trace length",
-             ", ".join(f"{b}" for b in budgets if isinstance(b, int)) + " tokens (K)"]
-    return "; ".join(part for part, kind in zip(parts, (float, int)) if any(isinstance(b, kind) for b in budgets))
+    fractions = [f"{b:g}" for b in budgets if isinstance(b, float)]
+    tokens = [str(b) for b in budgets if isinstance(b, int)]
+    return "; ".join([", ".join(fractions) + " of each problem's dense trace length"] * bool(fractions)
+                     + [", ".join(tokens) + " tokens (K)"] * bool(tokens))
 
 
 def budget_text(budget: Any) -> str:
