@@ -108,7 +108,11 @@ class Trace(Record):
 
 @dataclass(kw_only=True)
 class Label(Record):
-    """Counterfactual occlusion labels of one trace (EpiKV App. 8); `status` "skipped" records carry `reason`."""
+    """Counterfactual occlusion labels of one trace (EpiKV App. 8); `status` "skipped" records carry `reason`.
+
+    ``labels[i]`` is the label of absolute position ``positions[i]``; a position the no-answer rule leaves unlabelled
+    is absent from both (`labeling.windows.rule_labels`).
+    """
 
     KIND: ClassVar[str] = "label"
     RENAMED: ClassVar[dict[str, str]] = {"trace_id": "id"}
@@ -130,8 +134,11 @@ class Label(Record):
     labels: list[int] | None = None
     reference_answer: str | None = None
     reference_text: str | None = None
-    windows: list[dict[str, Any]] | None = None
-    important_fraction: float | None = None
+    windows: list[dict[str, Any]] | None = None  # each: start, end, outcome, flipped, answers, continuation
+    important_fraction: float | None = None  # over the labelled reasoning positions (None: none labelled)
+    forced_cue: dict[str, Any] | None = None  # forced-answer labelling: the cue appended to every context
+    no_answer_rule: str | None = None  # how no-answer windows label positions (None: records made before the rule)
+    outcome_counts: dict[str, int] | None = None  # windows per outcome: same, different, no_answer, degenerate
 
     @property
     def labelled(self) -> bool:

@@ -1,17 +1,28 @@
 """Agreement between two occlusion label sets of the same traces (made with different replacements, say).
 
-Only the reasoning span ``[reasoning_start, answer_start)`` is compared: prompt positions are 1 by construction and
-the answer span is unlabelled, so either would inflate agreement. Positions are pooled over the traces both sets
-labelled. Cohen's kappa corrects the raw agreement for what two independent labellings with the same important
-fractions would reach by chance: kappa = (p_o - p_e) / (1 - p_e), p_e = p_a p_b + (1 - p_a)(1 - p_b).
+Two levels, both pooled over the traces both sets labelled:
+
+- *positions*: only the reasoning span ``[reasoning_start, answer_start)`` is compared (prompt positions are 1 by
+  construction and the answer span is unlabelled, so either would inflate agreement), and only positions both sets
+  label (a no-answer rule may leave some unlabelled, `labeling.windows.rule_labels`);
+- *windows*: each window tested by both sets (same start and end), compared on whether it flipped, among the windows
+  whose outcome both sets count as evidence (an answer, or no answer under the ``flip`` rule). Deletion and a filler
+  token test the same windows, so this is what the replacement changes, window by window. Beside kappa, the outcome
+  table (`outcome_pairs`) shows how outcomes move between the two sets (e.g. "no answer" under a filler token that is
+  "same" under deletion).
+
+Cohen's kappa corrects the raw agreement for what two independent labellings with the same positive rates would
+reach by chance: kappa = (p_o - p_e) / (1 - p_e), p_e = p_a p_b + (1 - p_a)(1 - p_b).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.schemas import Label
+from labeling.windows import NO_ANSWER_RULES, SAME
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,12 @@ class Agreement:
     important_b: float | None
     only_a: tuple[str, ...]  # trace ids labelled in the first set only
     only_b: tuple[str, ...]
+    windows: int = 0  # windows compared (tested by both, counted as evidence by both)
+    window_agreement: float | None = None
+    window_kappa: float | None = None
+    flipped_a: float | None = None  # share of the compared windows that flipped in each set
+    flipped_b: float | None = None
+    outcome_pairs: dict[str, int] = field(default_factory=dict)  # "outcome_a -> outcome_b" -> windows
 
 
 def cohen_kappa(a: Sequence[int], b: Sequence[int]) -> float | None:
@@ -39,14 +56,34 @@ def cohen_kappa(a: Sequence[int], b: Sequence[int]) -> float | None:
     return None if chance == 1 else (observed - chance) / (1 - chance)
 
 
-def reasoning_labels(label: Label) -> list[int]:
-    return list(label.labels[label.reasoning_start:label.answer_start])
+def reasoning_labels(label: Label) -> dict[int, int]:
+    """Position -> label over the reasoning span, for the positions the record labels."""
+    return {position: value for position, value in zip(label.positions, label.labels)
+            if label.reasoning_start <= position < label.answer_start}
+
+
+def window_evidence(label: Label) -> dict[tuple[int, int], tuple[str, bool]]:
+    """(start, end) -> (outcome, flipped) of each window the record counts as evidence: an answer came back, or the
+    record's rule counts a missing answer as a flip. Records made before outcomes were kept count every window."""
+    rule = label.no_answer_rule or "flip"
+    if rule not in NO_ANSWER_RULES:
+        raise ValueError(f"trace {label.id!r}: unknown no-answer rule {rule!r}")
+    found = {}
+    for window in label.windows or []:
+        outcome = window.get("outcome", "different" if window["flipped"] else SAME)
+        if rule == "flip" or outcome in (SAME, "different"):
+            found[(window["start"], window["end"])] = (outcome, bool(window["flipped"]))
+    return found
+
+
+def _share(values: Sequence[int]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def label_agreement(a: Iterable[Label], b: Iterable[Label]) -> Agreement:
     """Agreement of label sets `a` and `b` over the traces both labelled (matched by id; see the module docstring).
 
-    A trace present in both with a different token sequence or reasoning span is a `ValueError`: the sets do not
+    A trace present in both with a different token sequence or reasoning start is a `ValueError`: the sets do not
     label the same traces.
     """
     first = {label.id: label for label in a if label.labelled}
@@ -54,20 +91,40 @@ def label_agreement(a: Iterable[Label], b: Iterable[Label]) -> Agreement:
     shared = [trace_id for trace_id in first if trace_id in second]
     pooled_a: list[int] = []
     pooled_b: list[int] = []
+    windows_a: list[int] = []
+    windows_b: list[int] = []
+    pairs: Counter[str] = Counter()
     for trace_id in shared:
         x, y = first[trace_id], second[trace_id]
-        if (x.token_ids, x.reasoning_start, x.answer_start) != (y.token_ids, y.reasoning_start, y.answer_start):
-            raise ValueError(f"trace {trace_id!r} differs between the two label sets (tokens or reasoning span)")
-        pooled_a += reasoning_labels(x)
-        pooled_b += reasoning_labels(y)
+        if (x.token_ids, x.reasoning_start) != (y.token_ids, y.reasoning_start):
+            raise ValueError(f"trace {trace_id!r} differs between the two label sets (tokens or reasoning start)")
+        labels_x, labels_y = reasoning_labels(x), reasoning_labels(y)
+        common = sorted(labels_x.keys() & labels_y.keys())
+        pooled_a += [labels_x[p] for p in common]
+        pooled_b += [labels_y[p] for p in common]
+        evidence_x, evidence_y = window_evidence(x), window_evidence(y)
+        for window in sorted(evidence_x.keys() & evidence_y.keys()):
+            windows_a.append(int(evidence_x[window][1]))
+            windows_b.append(int(evidence_y[window][1]))
+        tested_y = {(w["start"], w["end"]): w.get("outcome") for w in y.windows or []}
+        for window in x.windows or []:
+            other = tested_y.get((window["start"], window["end"]))
+            if other is not None and window.get("outcome") is not None:
+                pairs[f"{window['outcome']} -> {other}"] += 1
     n = len(pooled_a)
     return Agreement(
         traces=len(shared),
         positions=n,
         agreement=sum(x == y for x, y in zip(pooled_a, pooled_b)) / n if n else None,
         kappa=cohen_kappa(pooled_a, pooled_b),
-        important_a=sum(pooled_a) / n if n else None,
-        important_b=sum(pooled_b) / n if n else None,
+        important_a=_share(pooled_a),
+        important_b=_share(pooled_b),
         only_a=tuple(trace_id for trace_id in first if trace_id not in second),
         only_b=tuple(trace_id for trace_id in second if trace_id not in first),
+        windows=len(windows_a),
+        window_agreement=(sum(x == y for x, y in zip(windows_a, windows_b)) / len(windows_a) if windows_a else None),
+        window_kappa=cohen_kappa(windows_a, windows_b),
+        flipped_a=_share(windows_a),
+        flipped_b=_share(windows_b),
+        outcome_pairs=dict(sorted(pairs.items())),
     )

@@ -82,7 +82,22 @@ from core.errors import UsageError, unknown_choice
 from core.rundir import LOCK_NAME, RunDir
 from core.schemas import Label, Trace, read_records
 from labeling.replacement import Replacement, check_spec, resolve_replacement
-from labeling.windows import DEFAULT_TAIL, Boundary, find_answer_boundary, occlude, occlusion_windows, position_labels
+from labeling.windows import (
+    DEFAULT_TAIL,
+    DEGENERATE,
+    DIFFERENT,
+    NO_ANSWER,
+    NO_ANSWER_RULES,
+    OUTCOMES,
+    SAME,
+    Boundary,
+    Cue,
+    find_answer_boundary,
+    find_answer_cue,
+    occlude,
+    occlusion_windows,
+    rule_labels,
+)
 
 if TYPE_CHECKING:
     from tasks.datasets import Problem
@@ -90,6 +105,12 @@ if TYPE_CHECKING:
 
 METHODS = ("fast", "naive")
 PROBE_TOKENS = 16
+# Windows after which the model states no answer measure how it reacts to filler, not what the window said, so by
+# default they are not evidence either way (docs/labels.md).
+DEFAULT_NO_ANSWER = "exclude"
+# The regenerated tokens kept in each window's record, and how many of the first ones decide "degenerate".
+KEPT_TOKENS = 16
+DEGENERATE_TOKENS = 8
 Progress = Callable[[int], None] | None
 
 
@@ -98,7 +119,7 @@ class OcclusionConfig:
     """How traces are labelled. `IDENTITY` names the settings that change a label; the rest only change speed."""
 
     IDENTITY: ClassVar[tuple[str, ...]] = ("window", "stride", "replacement", "max_answer_tokens", "include_incorrect",
-                                           "allow_evicted", "tail", "dtype")
+                                           "allow_evicted", "tail", "dtype", "force_answer", "no_answer")
 
     window: int = 32
     stride: int = 16
@@ -108,6 +129,8 @@ class OcclusionConfig:
     allow_evicted: bool = False  # label traces generated under eviction as if they were dense
     tail: int = DEFAULT_TAIL  # the answer span when a trace has neither </think> nor \boxed{
     dtype: str = "float32"  # weights dtype the labels are made in (float32: reproducible greedy regeneration)
+    force_answer: bool = False  # append the trace's answer cue to every occluded context (`labeling.windows.Cue`)
+    no_answer: str = DEFAULT_NO_ANSWER  # how a window that gave no answer labels its positions (`rule_labels`)
     batch_size: int = 32  # contexts regenerated together by the fast method
     traces_per_batch: int = 4  # traces per `Unit`
     method: str = "fast"
@@ -123,12 +146,34 @@ class OcclusionConfig:
             raise unknown_choice("occlusion method", self.method, METHODS)
         if self.dtype not in DTYPES:
             raise unknown_choice("dtype", self.dtype, DTYPES)
+        if self.no_answer not in NO_ANSWER_RULES:
+            raise unknown_choice("no-answer rule", self.no_answer, NO_ANSWER_RULES)
 
     def identity(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.IDENTITY}
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """How one trace is labelled: its answer boundary, its answer cue (forced answers only), its windows, and why it
+    is skipped when it has none."""
+
+    boundary: Boundary
+    cue: Cue | None
+    windows: list[tuple[int, int]]
+    skip_reason: str | None = None
+
+    @property
+    def reasoning_start(self) -> int:
+        return self.windows[0][0] if self.windows else self.boundary.answer_start
+
+    @property
+    def context_end(self) -> int:
+        """Where every regenerated context ends: after the cue with a forced answer, else at the boundary."""
+        return self.cue.end if self.cue else self.boundary.answer_start
 
 
 @dataclass(frozen=True)
@@ -193,11 +238,23 @@ class OcclusionLabeler:
         return cls(model=lm.model, tokenizer=lm.tokenizer, answer_of=lambda text: extract_answer(text, dataset),
                    same=is_equivalent, stop_ids=stop_token_ids(lm.tokenizer, lm.model), config=config)
 
-    def plan(self, trace: Trace) -> tuple[Boundary, list[tuple[int, int]]]:
-        """The answer boundary of a trace and the windows occlusion will test (none if the span is too short)."""
-        prompt = len(trace.prompt_ids)
-        boundary = find_answer_boundary(self.tokenizer, prompt, list(trace.generated_ids), self.config.tail)
-        return boundary, occlusion_windows(prompt, boundary.answer_start, self.config.window, self.config.stride)
+    def plan(self, trace: Trace) -> TracePlan:
+        """Where a trace's answer span starts, its answer cue (forced-answer labelling), and the windows occlusion
+        will test (none when the span is shorter than a window, or a forced answer finds no cue)."""
+        prompt, generated = len(trace.prompt_ids), list(trace.generated_ids)
+        if self.config.force_answer:
+            cue = find_answer_cue(self.tokenizer, prompt, generated)
+            if cue is None:
+                boundary = find_answer_boundary(self.tokenizer, prompt, generated, self.config.tail)
+                return TracePlan(boundary, None, [], "no answer cue: neither </think>, \\boxed{ nor an answer phrase "
+                                 "introduces the trace's answer, so a forced answer has nothing to append")
+            boundary = cue.boundary
+        else:
+            cue, boundary = None, find_answer_boundary(self.tokenizer, prompt, generated, self.config.tail)
+        windows = occlusion_windows(prompt, boundary.answer_start, self.config.window, self.config.stride)
+        span = boundary.answer_start - prompt
+        return TracePlan(boundary, cue, windows, None if windows else f"reasoning span {span} < window "
+                         f"{self.config.window}")
 
     def label(self, trace: Trace, progress: Progress = None) -> Label:
         return self.label_unit(Unit((trace,)), progress)[0]
@@ -205,93 +262,113 @@ class OcclusionLabeler:
     def label_unit(self, unit: Unit, progress: Progress = None) -> list[Label]:
         """Labels of the unit's traces, in order; `progress(n)` as regenerations finish.
 
-        The fast method first regenerates every trace's unoccluded continuation, drafted by the trace's own answer
-        span (a greedy trace of this model reproduces it), then every window's, drafted by that continuation.
+        Every context is the trace up to its answer boundary, a window occluded, then (forced answer) the trace's
+        answer cue. The fast method first regenerates every trace's unoccluded continuation, drafted by the trace's
+        own answer (a greedy trace of this model reproduces it), then every window's, drafted by that continuation.
         """
         from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 
         config, filler = self.config, self.replacement.token_id
-        records, jobs = [], []  # jobs: (record index, ids, reasoning start, answer start, windows)
+        records, jobs = [], []  # jobs: (record index, ids, plan)
         for index, trace in enumerate(unit.traces):
-            (boundary, windows), ids = self.plan(trace), trace.token_ids
-            reasoning_start, answer_start = len(trace.prompt_ids), boundary.answer_start
-            records.append({"n_tokens": len(ids), "reasoning_start": reasoning_start, "answer_start": answer_start,
-                            "boundary": boundary.kind})
-            if windows:
-                jobs.append((index, ids, reasoning_start, answer_start, windows))
+            plan, ids = self.plan(trace), trace.token_ids
+            records.append({"n_tokens": len(ids), "reasoning_start": len(trace.prompt_ids),
+                            "answer_start": plan.boundary.answer_start, "boundary": plan.boundary.kind,
+                            "forced_cue": plan.cue.to_json() if plan.cue else None, "no_answer_rule": config.no_answer})
+            if plan.windows:
+                jobs.append((index, ids, plan))
             else:
-                span = answer_start - reasoning_start
-                records[index].update(status="skipped", reason=f"reasoning span {span} < window {config.window}")
+                records[index].update(status="skipped", reason=plan.skip_reason)
+
+        def occluded(ids: list[int], plan: TracePlan, start: int, end: int) -> list[int]:
+            return occlude(ids[:plan.boundary.answer_start], start, end, filler) + ids[plan.boundary.answer_start:
+                                                                                      plan.context_end]
+
         if config.method == "naive":
-            for index, ids, _, answer_start, windows in jobs:
-                context = ids[:answer_start]
-                contexts = [context] + [occlude(context, s, e, filler) for s, e in windows]
+            for index, ids, plan in jobs:
+                contexts = [ids[:plan.context_end]] + [occluded(ids, plan, s, e) for s, e in plan.windows]
                 continuations = regenerate_naive(self.model, contexts, config.max_answer_tokens, self.stop_ids,
                                                  progress)
-                self._finish(records[index], ids, windows, continuations[0], continuations[1:])
+                self._finish(records[index], ids, plan, continuations[0], continuations[1:])
         else:
-            prefixes = [PrefixCache(self.model, ids[:answer_start]) for _, ids, _, answer_start, _ in jobs]
+            prefixes = [PrefixCache(self.model, ids[:plan.context_end]) for _, ids, plan in jobs]
             # The reference feeds the least it can: its last token after a full-attention prefix; with sliding layers
             # the prefix cache cannot go back, so it starts one token before the first window (deleting a window flush
             # with the span's end makes rows start there).
-            first = [answer_start - 1 if prefix.full_attention else max(0, reasoning_start - 1)
-                     for prefix, (_, _, reasoning_start, answer_start, _) in zip(prefixes, jobs)]
+            first = [plan.context_end - 1 if prefix.full_attention else max(0, plan.reasoning_start - 1)
+                     for prefix, (_, _, plan) in zip(prefixes, jobs)]
             references = regenerate_rows(
-                [Row(prefix, f, tuple(ids[f:answer_start]), tuple(ids[answer_start:]))
-                 for prefix, f, (_, ids, _, answer_start, _) in zip(prefixes, first, jobs)],
+                [Row(prefix, f, tuple(ids[f:plan.context_end]), tuple(ids[plan.context_end:]))
+                 for prefix, f, (_, ids, plan) in zip(prefixes, first, jobs)],
                 config.max_answer_tokens, self.stop_ids, config.batch_size, progress)
-            rows = [Row(prefix, s, tuple(occlude(ids[:answer_start], s, e, filler)[s:]), tuple(reference))
-                    for prefix, reference, (_, ids, _, answer_start, windows) in zip(prefixes, references, jobs)
-                    for s, e in windows]
+            rows = [Row(prefix, s, tuple(occluded(ids, plan, s, e)[s:]), tuple(reference))
+                    for prefix, reference, (_, ids, plan) in zip(prefixes, references, jobs)
+                    for s, e in plan.windows]
             continuations = iter(regenerate_rows(rows, config.max_answer_tokens, self.stop_ids, config.batch_size,
                                                  progress))
-            for reference, (index, ids, _, _, windows) in zip(references, jobs):
-                self._finish(records[index], ids, windows, reference, [next(continuations) for _ in windows])
+            for reference, (index, ids, plan) in zip(references, jobs):
+                self._finish(records[index], ids, plan, reference, [next(continuations) for _ in plan.windows])
         return [Label(id=trace.id, dataset=trace.dataset, model=trace.model, correct=trace.correct,
                       trace_answer=trace.answer, gold=trace.gold, replacement=self.replacement.to_json(),
                       extra={"trace_policy": trace.policy} if trace.evicted else {}, **record)
                 for trace, record in zip(unit.traces, records)]
 
-    def _finish(self, record: dict[str, Any], ids: list[int], windows: list[tuple[int, int]],
-                reference_tokens: list[int], continuations: list[list[int]]) -> None:
-        """Fill a trace's record from the regenerated continuations: answers, flips, labels."""
-        texts = [self.tokenizer.decode(tokens, skip_special_tokens=True)
-                 for tokens in [reference_tokens, *continuations]]
-        answers = [self.answer_of(text) for text in texts]
+    def outcome(self, answer: str | None, reference: str, tokens: list[int]) -> str:
+        """What a window's regeneration did: kept the reference answer, stated another, or stated none, either
+        with a degenerate continuation (it stops at once, or its first tokens only repeat the filler or whitespace)
+        or without one."""
+        if answer is not None:
+            return SAME if answer == reference or self.same(answer, reference) else DIFFERENT
+        head = [t for t in tokens[:DEGENERATE_TOKENS] if t not in self.stop_ids]
+        filler = self.replacement.token_id
+        if not head or all(t == filler for t in head) or not self.tokenizer.decode(head).strip():
+            return DEGENERATE
+        return NO_ANSWER
+
+    def _finish(self, record: dict[str, Any], ids: list[int], plan: TracePlan, reference_tokens: list[int],
+                continuations: list[list[int]]) -> None:
+        """Fill a trace's record from the regenerated continuations: each window's outcome, the labels."""
+        cue = plan.cue.text if plan.cue else ""
+        texts = [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in [reference_tokens,
+                                                                                         *continuations]]
+        answers = [self.answer_of(cue + text) for text in texts]
         reference = answers[0]
         if reference is None:
             record.update(status="skipped", reason="no answer extracted from the unoccluded regeneration",
                           reference_text=texts[0])
             return
-        verdicts: dict[str | None, bool] = {}  # answers repeat across windows; compare each distinct one once
-        for answer in answers[1:]:
-            if answer not in verdicts:
-                verdicts[answer] = answer is None or not (answer == reference or self.same(answer, reference))
-        flips = [verdicts[a] for a in answers[1:]]
+        outcomes = [self.outcome(answer, reference, tokens) for answer, tokens in zip(answers[1:], continuations)]
         reasoning_start, answer_start = record["reasoning_start"], record["answer_start"]
-        labels = position_labels(reasoning_start, answer_start, windows, flips)
-        reasoning = labels[reasoning_start:]
+        by_position = rule_labels(reasoning_start, answer_start, plan.windows, outcomes, self.config.no_answer)
+        reasoning = [label for position, label in by_position.items() if position >= reasoning_start]
+        windows = []
+        for (start, end), outcome, answer, tokens in zip(plan.windows, outcomes, answers[1:], continuations):
+            kept = tokens[:KEPT_TOKENS]
+            windows.append({"start": start, "end": end, "outcome": outcome,
+                            "flipped": outcome == DIFFERENT or self.config.no_answer == "flip" and outcome != SAME,
+                            "answer_before": reference, "answer_after": answer, "continuation": kept,
+                            "continuation_text": self.tokenizer.decode(kept, skip_special_tokens=False)})
         record.update(
             status="labelled",
             token_ids=ids,
-            positions=list(range(answer_start)),
-            labels=labels,
+            positions=list(by_position),
+            labels=list(by_position.values()),
             reference_answer=reference,
             reference_text=texts[0],
-            windows=[{"start": s, "end": e, "flipped": f, "answer_before": reference, "answer_after": a}
-                     for (s, e), f, a in zip(windows, flips, answers[1:])],
-            important_fraction=sum(reasoning) / len(reasoning),
+            windows=windows,
+            outcome_counts={name: outcomes.count(name) for name in OUTCOMES},
+            important_fraction=sum(reasoning) / len(reasoning) if reasoning else None,
         )
 
     def regenerations(self, trace: Trace) -> int:
         """How many contexts labelling `trace` regenerates: its windows and the unoccluded reference (0 if skipped)."""
-        windows = self.plan(trace)[1]
+        windows = self.plan(trace).windows
         return len(windows) + 1 if windows else 0
 
     def decode_tokens(self, trace: Trace) -> int:
-        """The naive method's decode cost of `trace`: every regeneration as long as its answer span (at most
-        `max_answer_tokens`), the length a greedy trace's own regeneration reproduces."""
-        answer_span = len(trace.token_ids) - self.plan(trace)[0].answer_start
+        """The naive method's decode cost of `trace`: every regeneration as long as what follows its context in the
+        trace (at most `max_answer_tokens`), the length a greedy trace's own regeneration reproduces."""
+        answer_span = len(trace.token_ids) - self.plan(trace).context_end
         return self.regenerations(trace) * min(max(1, answer_span), self.config.max_answer_tokens)
 
 
@@ -381,6 +458,11 @@ class OcclusionResult:
     @property
     def labelled(self) -> list[Label]:
         return [label for label in self.labels if label.labelled]
+
+
+class NoAnswerCue(UsageError):
+    """A forced-answer run whose traces have no answer cue at all: bad input (exit 2), which a study reports as
+    "nothing labelled" instead."""
 
 
 class NothingLabelled(Exception):
@@ -531,17 +613,21 @@ def run_occlusion(job: OcclusionJob, out: str | os.PathLike | None = None,
             eligible = plan.eligible
             if generation is not None:
                 eligible = _generate_then_select(worker, generation, plan, backend)
-            regenerations = {trace.id: labeler.regenerations(trace) for trace in eligible}
+            plans = {trace.id: labeler.plan(trace) for trace in eligible}
+            regenerations = {trace_id: len(p.windows) + 1 if p.windows else 0 for trace_id, p in plans.items()}
             if not any(regenerations.values()):
-                spans = [labeler.plan(t)[0].answer_start - len(t.prompt_ids) for t in eligible]
-                raise UsageError(f"--window {config.window} is larger than every trace's reasoning span (longest: "
-                                 f"{max(spans)} tokens); use a smaller --window")
+                error = NoAnswerCue if config.force_answer and all(p.cue is None for p in plans.values()) else \
+                    UsageError
+                raise error(_nothing_to_label(plans, eligible, config))
             run.save_config(config=config.to_json(), replacement=labeler.replacement.to_json(), shard=job.shard,
                             limit=job.limit, n_traces=len(eligible), trace_ids=[t.id for t in eligible],
                             device=job.device, loaded_model=worker.lm.describe(),
-                            boundary=f"first </think>, else last \\boxed{{, else final {config.tail} tokens",
-                            reference="answer regenerated from the unoccluded context",
-                            backend=dataclasses.asdict(backend))
+                            boundary=("the answer cue: after the first </think>, the last \\boxed{ or else the last "
+                                      "answer phrase" if config.force_answer else
+                                      f"first </think>, else last \\boxed{{, else final {config.tail} tokens"),
+                            reference="answer regenerated from the unoccluded context" +
+                            (" followed by the trace's answer cue" if config.force_answer else ""),
+                            no_answer_rule=config.no_answer, backend=dataclasses.asdict(backend))
             store = run.store(f"labels{shard_suffix(plan.shard)}.jsonl", key="id")
             labels = _label_into(store, worker, job, eligible, regenerations, backend)
         except KeyboardInterrupt:
@@ -554,6 +640,24 @@ def run_occlusion(job: OcclusionJob, out: str | os.PathLike | None = None,
                               f"{'; '.join(f'{n}x {reason}' for reason, n in reasons.items())}); records in "
                               f"{store.path}")
     return OcclusionResult(labels, store.path, plan.traces_path)
+
+
+def _nothing_to_label(plans: dict[str, TracePlan], traces: list[Trace], config: OcclusionConfig) -> str:
+    """Why no trace has a window to test, in one line."""
+    if config.force_answer and all(p.cue is None for p in plans.values()):
+        return (f"--force-answer: none of the {len(traces)} traces has an answer cue (no </think>, \\boxed{{ or "
+                "answer phrase such as 'The answer is' introduces its answer); label them without --force-answer")
+    spans = [p.boundary.answer_start - len(t.prompt_ids) for t, p in zip(traces, plans.values())]
+    return f"--window {config.window} is larger than every trace's reasoning span (longest: {max(spans)} tokens); " \
+           "use a smaller --window"
+
+
+def _counts(counts: dict[str, int] | None) -> str:
+    return ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in (counts or {}).items() if n)
+
+
+def _fraction(value: float | None) -> str:
+    return "undefined (no position labelled)" if value is None else f"{value:.2f}"
 
 
 def _say(line: str) -> None:
@@ -667,8 +771,8 @@ def _label_into(store, worker: LabelWorker, job: OcclusionJob, eligible: list[Tr
             cost = sum(regenerations[trace_id] for trace_id in unit.ids)
             left -= cost
             for label in done.labels:
-                outcome = (f"{len(label.windows)} windows, important fraction {label.important_fraction:.2f}"
-                           if label.labelled else f"skipped: {label.reason}")
+                outcome = (f"{len(label.windows)} windows ({_counts(label.outcome_counts)}), important fraction "
+                           f"{_fraction(label.important_fraction)}" if label.labelled else f"skipped: {label.reason}")
                 tqdm.write(f"[{label.id}] {outcome}")
             bar.update(len(unit.traces))
             if first and left and cost:
@@ -725,6 +829,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "single space, because many chat models pad with their end-of-turn token), pad (the pad "
                         "token whatever it is, as in EpiKV), space, dot (single neutral tokens), delete (remove the "
                         "window, shortening the context) or a token id; the choice is recorded in every label")
+    parser.add_argument("--force-answer", action="store_true",
+                        help="append the trace's own answer cue (the tokens from the answer boundary up to the answer "
+                        "itself, e.g. '\\boxed{' or 'The answer is') after every occluded context, so each must "
+                        "state an answer and a window is important when the answer changes (docs/labels.md); traces "
+                        "without a cue are skipped, naming why")
+    parser.add_argument("--no-answer", default=defaults.no_answer, choices=NO_ANSWER_RULES,
+                        help="how a window after which the model states no answer (or degenerates: it stops at once "
+                        "or repeats the filler) labels its positions: flip (important, EpiKV's literal rule), exclude "
+                        "(no evidence: its positions keep the other covering window's label, or none), own-class "
+                        f"(its positions are left out of validation as their own class); default {defaults.no_answer}")
     parser.add_argument("--max-answer-tokens", type=positive_int, default=defaults.max_answer_tokens,
                         help=f"greedy regeneration length limit per window (default {defaults.max_answer_tokens})")
     parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
@@ -751,7 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
 def job_from_args(args: argparse.Namespace) -> OcclusionJob:
     config = OcclusionConfig(window=args.window, stride=args.stride, replacement=args.replacement,
                              max_answer_tokens=args.max_answer_tokens, include_incorrect=args.include_incorrect,
-                             allow_evicted=args.allow_evicted, dtype=args.dtype, batch_size=args.batch_size,
+                             allow_evicted=args.allow_evicted, dtype=args.dtype, force_answer=args.force_answer,
+                             no_answer=args.no_answer, batch_size=args.batch_size,
                              traces_per_batch=args.traces_per_batch, method=args.method)
     return OcclusionJob(config=config, traces=args.traces, dataset=args.dataset, model=args.model,
                         data_file=args.data_file, limit=args.limit, max_new_tokens=args.max_new_tokens,

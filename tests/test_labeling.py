@@ -24,7 +24,7 @@ from labeling.occlusion import (
 from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
 from labeling.replacement import pad_problem, resolve_replacement
 from labeling.speculative import NgramLookup, _compact, _join, speculative_greedy
-from labeling.windows import find_answer_boundary, occlude, occlusion_windows, position_labels
+from labeling.windows import find_answer_boundary, find_answer_cue, occlude, occlusion_windows, rule_labels
 from models.tiny import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,10 +50,46 @@ def test_occlude_replaces_or_deletes():
     assert occlude(ids, 1, 3, None) == [1, 4, 5]
 
 
-def test_position_labels_or_over_covering_windows():
+def test_rule_labels_or_over_covering_windows():
     windows = [(3, 7), (5, 9), (7, 11)]
-    labels = position_labels(3, 12, windows, [False, True, False])
-    assert labels == [1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]
+    for rule in ("flip", "exclude", "own-class"):  # without a missing answer the rules agree
+        labels = rule_labels(3, 12, windows, ["same", "different", "same"], rule)
+        # Position 11 is covered by no window: 0 under flip (EpiKV's rule), unlabelled (no evidence) otherwise.
+        assert list(labels) == list(range(12 if rule == "flip" else 11))
+        assert list(labels.values())[:11] == [1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0]
+
+
+def test_rule_labels_under_each_no_answer_rule():
+    # Prompt [0, 2); windows [2, 6) no answer, [4, 8) same, [6, 10) degenerate; reasoning [2, 10).
+    windows, outcomes = [(2, 6), (4, 8), (6, 10)], ["no_answer", "same", "degenerate"]
+    flip = rule_labels(2, 10, windows, outcomes, "flip")
+    assert [flip[p] for p in range(10)] == [1] * 10  # every reasoning position has a silent covering window
+    exclude = rule_labels(2, 10, windows, outcomes, "exclude")
+    # 2, 3: only the no-answer window covers them; 4..7: the "same" window vouches for 0; 8, 9: only degenerate.
+    assert exclude == {0: 1, 1: 1, 4: 0, 5: 0, 6: 0, 7: 0}
+    own = rule_labels(2, 10, windows, outcomes, "own-class")
+    assert own == {0: 1, 1: 1}  # every reasoning position is touched by a silent window
+    changed = rule_labels(2, 10, windows, ["different", "same", "no_answer"], "own-class")
+    assert changed == {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}  # a change wins over a missing answer
+    with pytest.raises(ValueError, match="no-answer rule"):
+        rule_labels(2, 10, windows, outcomes, "ignore")
+
+
+def test_find_answer_cue_boxed_phrase_think_and_none():
+    tok = tiny_tokenizer()
+    gen = tok.encode("so 5 + 13 = 18. The total is \\boxed{18}.", add_special_tokens=False)
+    cue = find_answer_cue(tok, 7, gen)
+    assert cue.boundary.kind == "boxed" and tok.decode(gen[cue.boundary.answer_start - 7:cue.end - 7]) == cue.text
+    assert cue.text.endswith("\\boxed{") and tok.decode(gen[cue.end - 7:]).startswith("18")
+    gen = tok.encode("add them: 18 apples.\nThe answer is 18", add_special_tokens=False)
+    cue = find_answer_cue(tok, 0, gen)
+    assert cue.boundary.kind == "phrase" and cue.text.strip() == "The answer is"
+    assert tok.decode(gen[cue.end:]).strip() == "18"
+    gen = tok.encode("abc</think>x. Final answer: 4", add_special_tokens=False)
+    cue = find_answer_cue(tok, 0, gen)
+    assert cue.boundary.kind == "think" and cue.boundary.answer_start == 3 and cue.text.startswith("</think>")
+    assert find_answer_cue(tok, 0, tok.encode("x" * 50 + " 18", add_special_tokens=False)) is None  # no marker
+    assert find_answer_cue(tok, 0, tok.encode("so the answer is", add_special_tokens=False)) is None  # nothing after
 
 
 def test_find_answer_boundary_think_boxed_tail():
@@ -130,12 +166,14 @@ def test_auto_replacement_falls_back_to_a_dot_then_refuses():
 def test_occlusion_config_checks_and_identity():
     config = OcclusionConfig(window=8, stride=4, batch_size=2, traces_per_batch=1, method="naive")
     assert config.identity() == {"window": 8, "stride": 4, "replacement": "auto", "max_answer_tokens": 512,
-                                 "include_incorrect": False, "allow_evicted": False, "tail": 64, "dtype": "float32"}
+                                 "include_incorrect": False, "allow_evicted": False, "tail": 64, "dtype": "float32",
+                                 "force_answer": False, "no_answer": "exclude"}
     # how the work is grouped and computed is not part of what the labels mean
     assert OcclusionConfig(window=8, stride=4).identity() == config.identity()
     for bad, message in [({"stride": 40}, "untested"), ({"replacement": "blank"}, "valid choices"),
                          ({"method": "quick"}, "valid choices"), ({"window": 0}, "positive"),
-                         ({"dtype": "int8"}, "valid choices")]:
+                         ({"dtype": "int8"}, "valid choices"),
+                         ({"no_answer": "ignore"}, "no-answer rule 'ignore'; valid choices: exclude, flip, own-class")]:
         with pytest.raises(UsageError, match=message):
             OcclusionConfig(**bad)
 
@@ -186,7 +224,8 @@ def test_decode_tokens_counts_regenerations_times_answer_span():
 
 def _label(labels, trace_id="t", reasoning_start=2, status="labelled", token_ids=None) -> Label:
     return Label(id=trace_id, dataset="gsm8k", model="m", status=status, labels=labels, reasoning_start=reasoning_start,
-                 answer_start=len(labels), token_ids=token_ids or list(range(len(labels) + 3)))
+                 answer_start=len(labels), token_ids=token_ids or list(range(len(labels) + 3)),
+                 positions=list(range(len(labels))))
 
 
 def test_cohen_kappa_by_hand():
@@ -366,6 +405,51 @@ def test_labeler_fast_equals_naive_and_is_deterministic(chaotic_tiny):
     flipped = {p for w in fast.windows if w["flipped"] for p in range(w["start"], w["end"])}
     assert [i for i, v in enumerate(fast.labels) if v and i >= prompt] == sorted(flipped)
     assert Label.from_json(fast.to_json()) == fast
+
+
+def test_forced_answer_appends_the_cue_and_fast_equals_naive(chaotic_tiny):
+    """With a forced answer every context ends with the trace's cue ('\\boxed{'), the reference is regenerated from
+    the unoccluded context plus the cue, answers are read from cue + continuation, and both methods agree, for a
+    filler token and for deletion."""
+    tok = chaotic_tiny.tokenizer
+    trace = _trace(tok.encode(PROMPT), tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False),
+                   answer="42", gold="42", correct=True)
+    seen = []
+
+    def answer_of(text):
+        seen.append(text)
+        return text[:12] or None
+
+    for replacement in ("pad", "delete"):
+        labels = []
+        for method in ("fast", "naive"):
+            labeler = _labeler(chaotic_tiny, method, force_answer=True, replacement=replacement)
+            labeler.answer_of = answer_of
+            labels.append(labeler.label(trace))
+        fast, naive = labels
+        assert fast == naive and fast.status == "labelled"
+        cue = fast.forced_cue
+        assert cue["kind"] == "boxed" and cue["text"].endswith("\\boxed{") and cue["start"] == fast.answer_start
+        assert tok.decode(trace.token_ids[cue["start"]:cue["end"]]) == cue["text"]
+        assert all(text.startswith(cue["text"]) for text in seen)  # every answer is read after the cue
+        assert sum(fast.outcome_counts.values()) == len(fast.windows)
+        assert {w["outcome"] for w in fast.windows} <= {"same", "different", "no_answer", "degenerate"}
+        seen.clear()
+
+
+def test_window_outcomes_and_the_no_answer_rule(tiny_llama):
+    tok = tiny_llama.tokenizer
+    labeler = _labeler(tiny_llama, "naive", replacement="pad")
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    words = tok.encode(" the apples cost", add_special_tokens=False)
+    assert labeler.outcome("42", "42", words) == "same"
+    assert labeler.outcome("41", "42", words) == "different"
+    assert labeler.outcome(None, "42", words) == "no_answer"
+    assert labeler.outcome(None, "42", [pad] * 12 + words) == "degenerate"  # repeats the filler
+    assert labeler.outcome(None, "42", [eos]) == "degenerate"  # stops at once
+    assert labeler.outcome(None, "42", tok.encode("   ", add_special_tokens=False)) == "degenerate"
+    # An answer after filler is an answer: the outcome follows the answer, not the filler.
+    assert labeler.outcome("42", "42", [pad] * 12) == "same"
 
 
 def test_traces_labelled_together_equal_each_labelled_naively(chaotic_tiny):
