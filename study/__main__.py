@@ -22,7 +22,8 @@ from core.cli import (
     unit_interval,
 )
 from evictor.protocol import PROTECTIONS, PROTOCOLS
-from labeling.windows import DEFAULT_TAIL
+from labeling.occlusion import DEFAULT_NO_ANSWER
+from labeling.windows import DEFAULT_TAIL, NO_ANSWER_RULES
 from models.registry import DEFAULT_MODEL, REGISTRY
 from study.config import (
     AGREEMENT_REPLACEMENTS,
@@ -34,12 +35,24 @@ from study.config import (
     DEFAULT_SCORERS,
     DEFAULT_TOP,
     EVICT_PROBLEMS,
+    FORCED_ANSWER_TOKENS,
+    FREE_ANSWER_TOKENS,
     PAPER_DEFAULTS,
     StudyConfig,
     parse_budgets,
     parse_names,
 )
 from validation.stats import DEFAULT_N_BOOT
+
+
+def count_or_all(text: str) -> int | None:
+    """``all`` -> None (every one), else a non-negative integer."""
+    if text == "all":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}; or all") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,14 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--replacement", default="auto",
                         help="what fills a window: auto (default: the pad token when harmless, else a neutral token), "
                         "pad, space, dot, delete or a token id")
-    labels.add_argument("--max-answer-tokens", type=positive_int, default=512,
-                        help="regeneration length limit per window (default 512)")
+    labels.add_argument("--max-answer-tokens", type=positive_int, default=None,
+                        help=f"regeneration length limit per window (default {FORCED_ANSWER_TOKENS} with a forced "
+                        f"answer, which follows the cue at once; {FREE_ANSWER_TOKENS} without)")
     labels.add_argument("--tail", type=non_negative_int, default=DEFAULT_TAIL,
                         help=f"answer span of a trace with neither </think> nor \\boxed{{ (default {DEFAULT_TAIL})")
-    labels.add_argument("--agreement-traces", type=non_negative_int, default=DEFAULT_AGREEMENT_TRACES,
-                        help=f"relabel the first K labelled traces with each other replacement "
-                        f"({', '.join(AGREEMENT_REPLACEMENTS)}) and report label agreement (Cohen's kappa); 0 = off "
-                        f"(default {DEFAULT_AGREEMENT_TRACES})")
+    labels.add_argument("--force-answer", action=argparse.BooleanOptionalAction, default=True,
+                        help="append the trace's own answer cue (e.g. '\\boxed{') after every occluded context, so "
+                        "each must state an answer and a window is important when the answer changes (default: on; "
+                        "--no-force-answer regenerates from the answer boundary, EpiKV App. 8)")
+    labels.add_argument("--no-answer", default=DEFAULT_NO_ANSWER, choices=NO_ANSWER_RULES,
+                        help="how a window after which no answer comes back labels its positions: flip (important), "
+                        "exclude (no evidence either way) or own-class (left out of validation as a class of its own); "
+                        f"default {DEFAULT_NO_ANSWER} (docs/labels.md)")
+    labels.add_argument("--agreement-traces", type=count_or_all, default=DEFAULT_AGREEMENT_TRACES,
+                        help=f"relabel the first K labelled traces (or all) with each other replacement "
+                        f"({', '.join(AGREEMENT_REPLACEMENTS)}; auto is the pad token where it is harmless) and report "
+                        "label agreement (Cohen's kappa per position and per window) and the ranking under each; 0 = "
+                        "off (default: all)")
     signals = parser.add_argument_group("signals and selection (evictor.replay, probes.signals, validation.select)")
     signals.add_argument("--scorers", default=",".join(DEFAULT_SCORERS),
                          help="comma list of registered policies whose replayed scores are validated and may be "
@@ -118,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the problems the evictor runs: all (default) or labelled, only those whose dense trace "
                        "was labelled (the correctly answered ones unless --include-incorrect): accuracy then measures "
                        "how often a policy keeps an answer the full cache got right, at a fraction of the compute")
+    evict.add_argument("--deploy-scorers", action="store_true",
+                       help="also run every --scorers policy in the evictor at its default parameters, so the report "
+                       "can set each scorer's offline rho beside what evicting by it keeps and give the rank "
+                       "correlation between the two (costs one cell per scorer and budget)")
     evict.add_argument("--batch-size", type=positive_int, default=1,
                        help="problems the evictor decodes together, left-padded (default 1); a speed setting, so a "
                        "rerun with another batch size reuses the finished eviction records")
@@ -139,11 +166,12 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         limit=args.limit, max_new_tokens=args.max_new_tokens, traces=args.traces,
         include_incorrect=args.include_incorrect, window=args.window, stride=args.stride,
         replacement=args.replacement, max_answer_tokens=args.max_answer_tokens, tail=args.tail,
+        force_answer=args.force_answer, no_answer=args.no_answer,
         agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),
         signal_window=args.signal_window, top=args.top, level=args.level, n_boot=args.n_boot,
         protocol=args.protocol, protect=args.protect, compare_n_boot=args.compare_n_boot,
-        batch_size=args.batch_size, evict_problems=args.evict_problems, seed=args.seed,
-        dtype=args.dtype, device=args.device)
+        batch_size=args.batch_size, evict_problems=args.evict_problems, deploy_scorers=args.deploy_scorers,
+        seed=args.seed, dtype=args.dtype, device=args.device)
 
 
 def _run(argv: list[str] | None) -> int:

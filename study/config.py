@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UsageError, unknown_choice
-from labeling.occlusion import OcclusionConfig
+from labeling.occlusion import DEFAULT_NO_ANSWER, OcclusionConfig
 from labeling.replacement import check_spec
 from labeling.windows import DEFAULT_TAIL
 from models.registry import DEFAULT_MODEL
@@ -30,9 +30,16 @@ REFERENCE = "random"  # every policy is compared with it
 # Scorers replayed by default: the paper defaults and their raw variants, a key- and a value-geometric score, one
 # attention-derived score and the two scoreless baselines; a few seconds each per trace on a small model.
 DEFAULT_SCORERS = ("epikv", "epikv_raw", "valuediff", "valuediff_norm", "keydiff", "h2o", "recency", "random")
-# The replacements label agreement compares: the pad token (EpiKV's protocol), a neutral token, deletion.
-AGREEMENT_REPLACEMENTS = ("pad", "space", "delete")
-DEFAULT_AGREEMENT_TRACES = 2
+# The replacements label agreement compares with the study's own: auto (the pad token where it is harmless, EpiKV's
+# filler; else the neutral token), the neutral space token and deletion. The pad token itself is never forced: where
+# it is the BOS or an end-of-turn token it breaks the conversation (labeling.replacement).
+AGREEMENT_REPLACEMENTS = ("auto", "space", "delete")
+# Forced-answer labels of short traces are cheap, so by default every labelled trace is relabelled (None = all).
+DEFAULT_AGREEMENT_TRACES: int | None = None
+# With a forced answer the answer follows the cue at once, so a short regeneration reads it; without one the model
+# may reason again before answering.
+FORCED_ANSWER_TOKENS = 64
+FREE_ANSWER_TOKENS = 512
 DEFAULT_TOP = 2
 DEFAULT_PROTOCOL = "epikv"
 DEFAULT_PROTECT = "prompt"
@@ -102,9 +109,11 @@ class StudyConfig:
     window: int = 32
     stride: int = 16
     replacement: str = "auto"
-    max_answer_tokens: int = 512
+    max_answer_tokens: int | None = None  # None: FORCED_ANSWER_TOKENS with a forced answer, else 512
     tail: int = DEFAULT_TAIL
-    agreement_traces: int = DEFAULT_AGREEMENT_TRACES
+    force_answer: bool = True  # the trace's answer cue after every occluded context (docs/labels.md)
+    no_answer: str = DEFAULT_NO_ANSWER
+    agreement_traces: int | None = DEFAULT_AGREEMENT_TRACES  # None: every labelled trace
     # signals and selection
     scorers: tuple[str, ...] = DEFAULT_SCORERS
     signal_window: int = DEFAULT_WINDOW
@@ -117,6 +126,7 @@ class StudyConfig:
     compare_n_boot: int = COMPARE_N_BOOT
     batch_size: int = 1  # problems decoded together by the evictor stage: speed only, so not in any stage's key
     evict_problems: str = "all"  # all | labelled: the problems the evictor stage runs
+    deploy_scorers: bool = False  # every replayed scorer also runs in the evictor
     seed: int = 0
     dtype: str = "float32"
     device: str | None = None
@@ -152,7 +162,7 @@ class StudyConfig:
         for name in ("top", "signal_window", "n_boot", "compare_n_boot", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        if self.agreement_traces < 0:
+        if self.agreement_traces is not None and self.agreement_traces < 0:
             raise UsageError(f"--agreement-traces must be >= 0, got {self.agreement_traces}")
         if not 0 < self.level < 1:
             raise UsageError(f"--level must be in (0, 1), got {self.level}")
@@ -169,12 +179,25 @@ class StudyConfig:
             raise UsageError(f"--traces {self.traces!r} does not exist" if not Path(self.traces).exists()
                              else f"--traces {self.traces!r} is not a file")
 
+    @property
+    def deployed_scorers(self) -> tuple[str, ...]:
+        """The replayed scorers the evictor stage runs beside the defaults (none unless `deploy_scorers`)."""
+        return self.scorers if self.deploy_scorers else ()
+
+    @property
+    def answer_tokens(self) -> int:
+        """The regeneration cap per window: as given, else by whether the answer is forced."""
+        if self.max_answer_tokens is not None:
+            return self.max_answer_tokens
+        return FORCED_ANSWER_TOKENS if self.force_answer else FREE_ANSWER_TOKENS
+
     def occlusion(self, replacement: str | None = None) -> OcclusionConfig:
         """The labelling settings (with another `replacement` for label agreement)."""
         return OcclusionConfig(window=self.window, stride=self.stride,
                                replacement=self.replacement if replacement is None else replacement,
-                               max_answer_tokens=self.max_answer_tokens, include_incorrect=self.include_incorrect,
-                               tail=self.tail, dtype=self.dtype)
+                               max_answer_tokens=self.answer_tokens, include_incorrect=self.include_incorrect,
+                               tail=self.tail, dtype=self.dtype, force_answer=self.force_answer,
+                               no_answer=self.no_answer)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -112,7 +112,8 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
         "selection": {"top": config.top, "level": config.level, "n_boot": config.n_boot, "seed": config.seed,
                       "family": stages.BAND_FAMILY, "window": config.signal_window},
         "evictor": {"generation": generation.identity(), "problems": ids, "budgets": list(config.budgets),
-                    "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems},
+                    "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems,
+                    **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
         "compare": {"n_boot": config.compare_n_boot, "level": config.level, "seed": config.seed,
                     "reference": stages.REFERENCE},
     }
@@ -140,12 +141,13 @@ def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord
     if name == "labels":
         return labelling
     if name == "agreement":
-        return 2 * labelling * min(config.agreement_traces, labelled) / max(1, to_label)
+        relabelled = labelled if config.agreement_traces is None else min(config.agreement_traces, labelled)
+        return (len(stages.AGREEMENT_REPLACEMENTS) - 1) * labelling * relabelled / max(1, to_label)
     if name == "signals":
         steps = labelled * (len(config.scorers) + 1) * max(0, length - config.tail)
         return steps * STEP_OVERHEAD / rate / REPLAY_SPEEDUP
     if name == "evictor":
-        cells = 1 + (len(stages.default_configs()) - 1 + config.top) * sum(evicts(b) for b in config.budgets)
+        cells = 1 + (len(stages.default_configs(config)) - 1 + config.top) * sum(evicts(b) for b in config.budgets)
         evicted = labelled if config.evict_problems == "labelled" and labelled else n_problems
         return cells * evicted * length * STEP_OVERHEAD / rate / config.batch_size ** 0.5
     return 0.0

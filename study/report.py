@@ -97,7 +97,7 @@ def primary_config(result) -> tuple[str, dict[str, Any]]:
     if not chosen:
         return PRIMARY_DEFAULT, ran_configs(result)[PRIMARY_DEFAULT]
     name = chosen[0]["name"]
-    runs_as = stages.ran_as(name, result["selection"]["configs"][name], stages.default_configs())
+    runs_as = stages.ran_as(name, result["selection"]["configs"][name], stages.default_configs(result.config))
     return runs_as, ran_configs(result)[runs_as]
 
 
@@ -107,6 +107,7 @@ def write_selection(result) -> dict[str, Any]:
     for name, config in configs.items():
         write_json(out / "configs" / f"{name}.json", config)
     name, primary = primary_config(result)
+    defaults = stages.default_configs(result.config)
     ranking = []
     if selection.get("ranking"):
         ranking = read_rows(stages.Paths(out).abs(selection["ranking"]))
@@ -120,7 +121,7 @@ def write_selection(result) -> dict[str, Any]:
         "n_traces": selection["n_traces"], "n_eff": selection["n_eff"],
         "labels": selection.get("labels"), "signals": selection.get("signals"),
         "bands": selection.get("bands"), "band_layers": selection.get("band_layers"),
-        "chosen": [{**c, "ran_as": stages.ran_as(c["name"], selection["configs"][c["name"]], stages.default_configs())}
+        "chosen": [{**c, "ran_as": stages.ran_as(c["name"], selection["configs"][c["name"]], defaults)}
                    for c in selection["chosen"]],
         "configs": {n: {**c, "file": f"configs/{n}.json"} for n, c in configs.items()},
         "ranking": [{k: row[k] for k in ("rank", "signal", "within_rho", "within_lo", "within_hi", "within_n_eff",
@@ -209,7 +210,10 @@ def settings_section(result) -> str:
                 ["labelled traces", "every trace (--include-incorrect)" if c.include_incorrect else
                  "correctly answered only (EpiKV)"],
                 ["occlusion", f"window {c.window}, stride {c.stride}, replacement {c.replacement}, answer "
-                              f"regenerated up to {c.max_answer_tokens} tokens, tail {c.tail}"],
+                              f"regenerated up to {c.answer_tokens} tokens"
+                              + (" after the trace's own answer cue (forced answer)" if c.force_answer else
+                                 f" from the answer boundary, tail {c.tail}")
+                              + f"; no-answer rule {c.no_answer}"],
                 ["scorers replayed", ", ".join(c.scorers)],
                 ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
                                       f"{c.signal_window}), key norm, attention received (h2o)"],
@@ -234,7 +238,10 @@ def stages_section(result) -> str:
 
 
 def labels_section(result) -> str:
-    labels, traces = result["labels"], result["traces"]
+    from labeling.breakdown import AT_BOUNDARY
+    from labeling.windows import OUTCOMES
+
+    labels, traces, c = result["labels"], result["traces"], result.config
     lines = [f"Dense traces: {traces['n']} problems, {traces['correct']} answered correctly, "
              f"{traces['mean_generated']:.0f} generated tokens on average (`{traces['traces']}`).", ""]
     if labels.get("labels") is None:
@@ -244,16 +251,42 @@ def labels_section(result) -> str:
                  f"skipped{' (' + '; '.join(labels['skip_reasons']) + ')' if labels['skip_reasons'] else ''}; windows "
                  f"filled with {replacement.get('chosen', '–')} ({replacement.get('text')!r}); mean important fraction "
                  f"of the reasoning span {fmt(labels['mean_important_fraction'], 2)}.")
+    breakdown = labels.get("breakdown")
+    if breakdown:
+        share, unlabelled = labels.get("no_answer_share"), labels.get("unlabelled_positions", 0)
+        names = [name.replace("_", " ") for name in OUTCOMES]
+        rows = [[r["where"], *[r[name] for name in OUTCOMES], r["windows"]] for r in breakdown]
+        lines += ["", "### What each occluded window did", "",
+                  "Every window's regenerated answer: the same as the unoccluded context's, a different one, none, or "
+                  "a degenerate continuation (it stops at once or repeats the filler), by where the window sits in "
+                  f"its trace's reasoning span (fifths by start; the window that {AT_BOUNDARY} on its own). Rule for "
+                  f"windows without an answer: **{c.no_answer}** (flip: important; exclude: no evidence either way; "
+                  "own-class: their positions are left out); "
+                  + ("each context ended with the trace's own answer cue (forced answer)." if c.force_answer else
+                     "contexts ended at the answer boundary (no forced answer)."), "",
+                  table(["where", *names, "windows"], rows), "",
+                  f"Of the windows whose answer did not stay the same, {pct(share)} gave no answer at all"
+                  + (f"; {unlabelled} of {unlabelled + labels.get('positions', 0)} positions are unlabelled under "
+                     "the rule." if c.no_answer != "flip" else ".")]
     agreement = result["agreement"]
     if result.stages["agreement"].status == "off":
         lines += ["", f"Label agreement: off ({agreement['reason']})."]
     else:
         rows = [[r["a"], r["b"], r["traces"], r["positions"], fmt(r["agreement"]), fmt(r["kappa"]),
-                 fmt(r["important_a"], 2), fmt(r["important_b"], 2)] for r in agreement["rows"]]
+                 r.get("windows", "–"), fmt(r.get("window_kappa")), fmt(r["important_a"], 2),
+                 fmt(r["important_b"], 2)] for r in agreement["rows"]]
         lines += ["", f"### Label agreement between replacements ({len(agreement['traces'])} traces relabelled)", "",
-                  "Cohen's kappa over the reasoning positions of the traces both sets labelled (labeling.agreement); "
-                  "a low kappa means the labels depend on what fills the window, not only on what it removes.", "",
-                  table(["A", "B", "traces", "positions", "agreement", "kappa", "important A", "important B"], rows)]
+                  "Cohen's kappa over the reasoning positions both sets label, and over the windows both count as "
+                  "evidence (did the window flip?) (labeling.agreement); a low kappa means the labels depend on what "
+                  "fills the window, not only on what it removes.", "",
+                  table(["A", "B", "traces", "positions", "agreement", "kappa", "windows", "window kappa",
+                         "important A", "important B"], rows)]
+        for r in agreement["rows"]:
+            moved = {pair: n for pair, n in (r.get("outcome_pairs") or {}).items()
+                     if pair.split(" -> ")[0] != pair.split(" -> ")[1]}
+            if moved:
+                lines.append(f"\n{r['a']} → {r['b']}, windows whose outcome changed: "
+                             + ", ".join(f"{pair.replace('_', ' ')} ({n})" for pair, n in moved.items()) + ".")
         for spec, why in agreement["unavailable"].items():
             lines.append(f"\n{spec}: not compared ({why}).")
     return "\n".join(lines)
@@ -292,7 +325,7 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
             "; ".join(f"{'+' if b['sign'] > 0 else '−'} layers {b['layers'][0]}–{b['layers'][-1]} (peak "
                       f"{b['peak_layer']}, rho {fmt(b['peak_rho'])})" for b in bands) if bands else "none found."))
     if selection["chosen"]:
-        defaults = stages.default_configs()
+        defaults = stages.default_configs(result.config)
         rows = [[stages.ran_as(c["name"], selection["configs"][c["name"]], defaults), c["policy"],
                  f"`{c['params']}`", c["signal"], fmt(c["within_rho"]),
                  f"[{fmt(c['within_lo'])}, {fmt(c['within_hi'])}]"] for c in selection["chosen"]]

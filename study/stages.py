@@ -124,7 +124,7 @@ def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig)
 # --- labels ---------------------------------------------------------------------------------------------------------
 def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths, backend: BackendConfig) -> Outputs:
     """Occlusion labels of the dense traces (correct ones only unless --include-incorrect)."""
-    from labeling.occlusion import NothingLabelled, OcclusionJob, run_occlusion, select_traces
+    from labeling.occlusion import NoAnswerCue, NothingLabelled, OcclusionJob, run_occlusion, select_traces
 
     occlusion = config.occlusion()
     trace_file = paths.abs(traces["traces"])
@@ -140,51 +140,63 @@ def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths,
         reason = None
     except NothingLabelled as err:
         labels, reason = read_records(path / "labels.jsonl", Label), str(err)
+    except NoAnswerCue as err:
+        return {"labels": None, "labelled": 0, "skipped": len(eligible), "eligible": len(eligible), "reason": str(err)}
     return {"labels": paths.rel(path / "labels.jsonl"), **label_counts(labels), "eligible": len(eligible),
             "reason": reason}
 
 
 def label_counts(labels: list[Label]) -> Outputs:
+    from labeling.breakdown import no_answer_share, outcome_breakdown
+
     labelled = [label for label in labels if label.labelled]
-    fractions = [label.important_fraction for label in labelled]
+    fractions = [label.important_fraction for label in labelled if label.important_fraction is not None]
+    breakdown = outcome_breakdown(labelled)
     return {"labelled": len(labelled), "skipped": len(labels) - len(labelled),
             "skip_reasons": sorted({label.reason for label in labels if not label.labelled}),
             "mean_important_fraction": sum(fractions) / len(fractions) if fractions else None,
             "replacement": labelled[0].replacement if labelled else None,
-            "labelled_ids": [label.id for label in labelled]}
+            "labelled_ids": [label.id for label in labelled],
+            "positions": sum(len(label.positions or []) for label in labelled),
+            "unlabelled_positions": sum(label.answer_start - len(label.positions or []) for label in labelled),
+            "breakdown": breakdown, "no_answer_share": no_answer_share(breakdown)}
 
 
 # --- label agreement ------------------------------------------------------------------------------------------------
 def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: Path, paths: Paths,
                     backend: BackendConfig) -> Outputs:
-    """The first --agreement-traces labelled traces relabelled with each other replacement (pad, a neutral token,
-    deletion), and Cohen's kappa of every pair of label sets (`labeling.agreement`)."""
+    """The first --agreement-traces labelled traces (default all) relabelled with each other replacement (auto: the
+    pad token where it is harmless; the neutral space token; deletion), and the agreement of every pair of label sets
+    (`labeling.agreement`: Cohen's kappa per position and per window, and how window outcomes move)."""
     from labeling.agreement import label_agreement
     from labeling.occlusion import NothingLabelled, OcclusionJob, run_occlusion
 
     ids = labels["labelled_ids"][: config.agreement_traces]
-    main = labels["replacement"]["chosen"]
-    sets = {main: [label for label in read_records(paths.abs(labels["labels"]), Label) if label.id in ids]}
+    main = labels["replacement"]
+    sets = {main["chosen"]: [label for label in read_records(paths.abs(labels["labels"]), Label) if label.id in ids]}
     subset = path / "traces.jsonl"
     by_id = {trace.id: trace for trace in read_traces(paths.abs(traces["traces"]))}
     path.mkdir(parents=True, exist_ok=True)
     subset.write_text("".join(json.dumps(by_id[i].to_json()) + "\n" for i in ids))
-    files, unavailable = {main: labels["labels"]}, {}
+    files, unavailable, tokens = {main["chosen"]: labels["labels"]}, {}, {main["chosen"]: main.get("token_id")}
     for spec in AGREEMENT_REPLACEMENTS:
-        if spec == main:
+        if spec in (main["spec"], main["chosen"]):  # the study's own labels already fill this way
             continue
         job = OcclusionJob(config=config.occlusion(spec), traces=str(subset), dataset=config.dataset,
                            model=config.model, device=config.device)
         try:
             result = run_occlusion(job, path / spec, backend)
-        except NothingLabelled as err:
+        except (NothingLabelled, UsageError) as err:  # nothing labelled, or the tokenizer cannot fill this way
             unavailable[spec] = str(err)
             continue
-        except UsageError as err:  # the tokenizer cannot fill this way (no pad token, " " not one token)
-            unavailable[spec] = str(err)
+        replacement = result.labels[0].replacement or {"chosen": spec}
+        chosen = replacement["chosen"]
+        if chosen in sets and tokens.get(chosen) == replacement.get("token_id"):
+            note = f": {replacement['note']}" if replacement.get("note") else ""
+            unavailable[spec] = f"resolves to {chosen}, already compared{note}"
             continue
-        chosen = result.labels[0].replacement["chosen"] if result.labels[0].replacement else spec
         sets[chosen], files[chosen] = result.labels, paths.rel(result.labels_path)
+        tokens[chosen] = replacement.get("token_id")
     names = list(sets)
     rows = []
     for i, a in enumerate(names):
@@ -192,7 +204,10 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
             found = label_agreement(sets[a], sets[b])
             rows.append({"a": a, "b": b, "traces": found.traces, "positions": found.positions,
                          "agreement": found.agreement, "kappa": found.kappa, "important_a": found.important_a,
-                         "important_b": found.important_b})
+                         "important_b": found.important_b, "windows": found.windows,
+                         "window_agreement": found.window_agreement, "window_kappa": found.window_kappa,
+                         "flipped_a": found.flipped_a, "flipped_b": found.flipped_b,
+                         "outcome_pairs": found.outcome_pairs})
     return {"traces": ids, "files": files, "rows": rows, "unavailable": unavailable}
 
 
@@ -245,13 +260,15 @@ def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: P
 
 
 # --- selection ------------------------------------------------------------------------------------------------------
-def default_configs() -> dict[str, dict[str, Any]]:
-    """The configurations every study's evictor stage runs: each paper's default scorer and the baselines."""
-    names = dict.fromkeys([*PAPER_DEFAULTS.values(), *BASELINES])
+def default_configs(config: StudyConfig) -> dict[str, dict[str, Any]]:
+    """The configurations every study's evictor stage runs: each paper's default scorer and the baselines, and with
+    --deploy-scorers every replayed scorer at its default parameters (so the offline statistic of each can be set
+    beside what eviction by it keeps)."""
     papers = {policy: paper for paper, policy in PAPER_DEFAULTS.items()}
-    return {name: {"policy": name, "params": {},
-                   "provenance": {"source": "study", "role": f"{papers[name]} default" if name in papers else
-                                  "baseline"}}
+    names = dict.fromkeys([*PAPER_DEFAULTS.values(), *BASELINES, *config.deployed_scorers])
+    roles = {name: f"{papers[name]} default" if name in papers else "baseline" if name in BASELINES else
+             "deployed scorer" for name in names}
+    return {name: {"policy": name, "params": {}, "provenance": {"source": "study", "role": roles[name]}}
             for name in names}
 
 
@@ -314,7 +331,7 @@ def inconclusive(reason: str, n_traces: int, n_eff: int) -> Outputs:
 def sweeps(config: StudyConfig, selection: Outputs) -> dict[str, dict[str, dict[str, Any]]]:
     """Sweep name -> its configurations: the baselines and paper defaults in one sweep, each selected configuration
     not among them in its own (one sweep holds one configuration per policy name)."""
-    defaults = default_configs()
+    defaults = default_configs(config)
     evicting = [b for b in config.budgets if evicts(b)]
     plan = {BASELINE_SWEEP: defaults if evicting else {"full": defaults["full"]}}
     if not evicting:
