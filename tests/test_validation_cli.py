@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from validation import compare, layers
+from validation.signals import Aligned, AlignedTrace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +104,9 @@ def test_layers_cli_writes_tables_policy_and_config(tmp_path, capsys):
     assert prov["combined_scores"]["epikv"]["within_rho"] > prov["combined_scores"]["epikv_raw"]["within_rho"]
     chosen = prov["chosen"]
     assert chosen["within_lo"] < chosen["within_rho"] < chosen["within_hi"]
+    assert chosen["within_t_lo"] < chosen["within_rho"] < chosen["within_t_hi"]
     assert chosen["within_boot_lo"] < chosen["within_rho"] < chosen["within_boot_hi"]
+    assert prov["significance"] == "within_t_significant"
     config = json.loads((out / "config.json").read_text())
     assert (config["family"], config["raw_transform"], config["detrended_transform"], config["band_transform"]) == (
         "hidden_diff", "mean64", "z64", "mean64")
@@ -113,9 +116,30 @@ def test_layers_cli_writes_tables_policy_and_config(tmp_path, capsys):
     assert {"within_boot_lo", "within_boot_hi", "position_boot_lo", "position_boot_hi"} <= set(rows[0])
     positional = {r["layer"]: r for r in _read_csv(out / "positional.csv")}
     combined = positional["combined"]
+    assert float(combined["raw_position_t_lo"]) < float(combined["raw_position_rho"]) < float(
+        combined["raw_position_t_hi"])
     assert float(combined["raw_position_rho"]) < -0.3 and abs(float(combined["detrended_position_rho"])) < 0.1
     assert float(combined["abs_position_rho_reduction"]) > 0.3
     assert "policy epikv" in capsys.readouterr().out
+
+
+def test_bands_rest_on_the_t_interval_not_the_papers_interval():
+    # Twelve long traces whose per-trace rho agree closely (SD ~0.05) on a modest value, +0.25 at layers 1-2 and
+    # -0.25 at layer 3: the paper's Fisher-z interval on 12 traces (half-width 0.65 in z) calls no layer
+    # significant; the t-interval over the traces finds both bands.
+    rng = np.random.default_rng(2)
+    names = [f"hidden_diff.l{layer}.mean64" for layer in range(4)]
+    traces = []
+    for i in range(12):
+        lab = (rng.random(400) < 0.3).astype(float)
+        values = np.column_stack([w * lab + rng.normal(size=400) for w in (0.0, 0.55, 0.55, -0.55)])
+        traces.append(AlignedTrace(f"t{i}", np.arange(400), lab, values))
+    config = layers.LayersConfig(labels="labels.jsonl", signals=("signals.jsonl",), n_boot=200)
+    result = layers.analyse(Aligned(names, traces), config)
+    rows = {r["layer"]: r for r in result.rows}
+    assert not any(r["within_significant"] for r in rows.values())
+    assert [rows[layer]["within_t_significant"] for layer in range(4)] == [False, True, True, True]
+    assert [(b.sign, b.layers) for b in result.bands] == [(1, (1, 2)), (-1, (3,))]
 
 
 def test_layers_cli_band_mean_mode(tmp_path):

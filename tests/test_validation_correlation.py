@@ -1,5 +1,5 @@
 """validation.correlation: pooled vs within-trace rho (Fisher-z mean), n_eff = traces, positional check, per-group
-correction."""
+correction, significance by the t-interval over traces, exact +-1."""
 
 from __future__ import annotations
 
@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 from statsmodels.stats.multitest import multipletests
 
-from validation.correlation import informative_traces, pooled, rank_scorers, signal_table, within_trace
+from validation.correlation import (
+    SIGNIFICANCE,
+    informative_traces,
+    per_trace_rho,
+    pooled,
+    rank_scorers,
+    signal_table,
+    within_trace,
+)
 from validation.signals import Aligned, AlignedTrace
-from validation.stats import fisher_z_interval
+from validation.stats import fisher_z_interval, t_interval
 
 
 def _aligned(names, traces):
@@ -101,6 +109,8 @@ def test_signal_table_corrects_within_each_layer_family():
     roll = [by[n]["within_p"] for n in names[:3]]
     expected = multipletests(roll, method="holm")[1]
     assert [by[n]["within_p_adj"] for n in names[:3]] == pytest.approx(expected)
+    roll_t = [by[n]["within_t_p"] for n in names[:3]]
+    assert [by[n]["within_t_p_adj"] for n in names[:3]] == pytest.approx(multipletests(roll_t, method="holm")[1])
     # A family of one is not corrected.
     assert by["g.l0.z64"]["within_p_adj"] == pytest.approx(by["g.l0.z64"]["within_p"])
     assert by["h2o"]["within_p_adj"] == pytest.approx(by["h2o"]["within_p"])
@@ -110,7 +120,9 @@ def test_signal_table_corrects_within_each_layer_family():
     for row in rows:  # both intervals of the within-trace mean surround it
         assert row["within_lo"] < row["within_rho"] < row["within_hi"]
         assert row["within_boot_lo"] <= row["within_rho"] <= row["within_boot_hi"]
+        assert row["within_t_lo"] < row["within_rho"] < row["within_t_hi"]
         assert row["position_boot_lo"] <= row["position_rho"] <= row["position_boot_hi"]
+        assert row["position_t_lo"] <= row["position_rho"] <= row["position_t_hi"]
     ranked = [r["signal"] for r in rank_scorers(rows)]
     assert ranked[0] == "g.l0.roll64" and ranked[1] == "g.l0.z64"
 
@@ -119,3 +131,50 @@ def test_rank_scorers_puts_undefined_last():
     rows = [{"signal": "a", "within_rho": float("nan")}, {"signal": "b", "within_rho": -0.2},
             {"signal": "c", "within_rho": 0.1}]
     assert [r["signal"] for r in rank_scorers(rows)] == ["c", "b", "a"]
+
+
+def test_significance_rests_on_the_t_interval_over_traces():
+    # Twelve long traces that agree closely on a modest rho (~0.25, SD ~0.05): the paper's half-width in z,
+    # 1.96 / sqrt(12 - 3) = 0.65, spans zero; the t-interval over the traces' spread does not.
+    rng = np.random.default_rng(5)
+    traces = []
+    for _ in range(12):
+        lab = (rng.random(400) < 0.3).astype(float)
+        traces.append((lab, np.column_stack([0.55 * lab + rng.normal(size=400), rng.normal(size=400)])))
+    aligned = _aligned(["s.l0.raw", "s.l1.raw"], traces)
+    rows = {r["signal"]: r for r in signal_table(aligned, correction="none", n_boot=500)}
+    assert SIGNIFICANCE["within"] == "within_t"
+    signal, noise = rows["s.l0.raw"], rows["s.l1.raw"]
+    assert 0.15 < signal["within_rho"] < 0.35
+    assert signal["within_lo"] < 0 and not signal["within_significant"]  # the paper's decision
+    assert signal["within_t_lo"] > 0 and signal["within_t_significant"]  # kvscope's
+    assert signal["within_boot_lo"] > 0
+    # With no correction the decision is exactly "the t-interval excludes zero" and "t-test p < 0.05".
+    for row in (signal, noise):
+        excludes = row["within_t_lo"] > 0 or row["within_t_hi"] < 0
+        assert row["within_t_significant"] == excludes == (row["within_t_p"] < 0.05)
+    assert not noise["within_t_significant"]
+
+
+def test_t_interval_of_the_within_mean_is_tanh_of_the_t_interval_of_z():
+    rng = np.random.default_rng(6)
+    traces = []
+    for _ in range(7):
+        lab = (rng.random(60) < 0.4).astype(float)
+        traces.append((lab, lab + rng.normal(size=60)))
+    aligned = _aligned(["s"], traces)
+    z = np.arctanh(per_trace_rho(aligned)[:, 0])
+    _, lo, hi, p = t_interval(z)
+    result = within_trace(aligned)
+    assert (result.t_lo[0], result.t_hi[0], result.t_p[0]) == pytest.approx((math.tanh(lo), math.tanh(hi), p))
+
+
+def test_a_scorer_that_is_position_has_position_rho_exactly_one():
+    # recency's score is the position itself: rho 1 in every trace, so 1 exactly, not the clip 0.9999.
+    rng = np.random.default_rng(7)
+    traces = [((rng.random(50) < 0.3).astype(float), 100 + np.arange(50.0)) for _ in range(6)]
+    rows = signal_table(_aligned(["recency.agg.raw"], traces), n_boot=200)
+    row = rows[0]
+    assert row["position_rho"] == 1.0
+    assert [row[f"position_{b}"] for b in ("lo", "hi", "t_lo", "t_hi", "boot_lo", "boot_hi")] == [1.0] * 6
+    assert -1 < row["within_rho"] < 1

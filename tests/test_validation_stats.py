@@ -1,8 +1,10 @@
-"""validation.stats: Spearman, Fisher-z (single rho and the mean of per-trace rho), corrections, Wilson, the bootstrap
-over units — against scipy, a naive bootstrap and by hand."""
+"""validation.stats: Spearman, Fisher-z (single rho and the mean of per-trace rho), the t-interval, corrections,
+Wilson, the bootstrap over units, the permutation test of a rank correlation over few units — against scipy, a
+naive bootstrap, full enumeration and by hand."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -21,6 +23,8 @@ from validation.stats import (
     fisher_z_pvalue,
     percentile_interval,
     spearman,
+    stratified_spearman,
+    t_interval,
     wilson_interval,
 )
 
@@ -131,15 +135,81 @@ def test_fisher_mean_averages_in_z_space_by_hand():
     assert np.isnan(fisher_mean([np.nan, np.nan]).rho[0])
 
 
-def test_fisher_mean_clips_perfect_rho_before_atanh():
+def test_spearman_of_a_perfect_ranking_is_exactly_one():
+    # Equal rank vectors centre to equal half-integers, so rho is 1.0 itself, not 1 - 1e-16 (recency vs position).
+    assert spearman(np.arange(300.0), np.arange(300.0) + 7) == 1.0
+    assert spearman(-np.arange(300.0), np.arange(300.0)) == -1.0
+    # Ties: a step signal with the tie structure of binary labels.
+    assert spearman([0.2, 0.2, 0.9, 0.9, 0.9], [0, 0, 1, 1, 1]) == 1.0
+
+
+def test_fisher_mean_clips_plus_minus_one_inside_a_mix():
     z_clip = math.atanh(FISHER_CLIP)
     assert fisher_mean([1.0, 0.0]).rho[0] == pytest.approx(math.tanh(z_clip / 2))
     assert fisher_mean([1.0, -1.0]).rho[0] == pytest.approx(0.0)
+    # Four traces: z = (z_clip + 3 atanh(0.5)) / 4; every interval stays finite and inside (-1, 1).
+    mixed = fisher_mean([1.0, 0.5, 0.5, 0.5])
+    z = (z_clip + 3 * math.atanh(0.5)) / 4
+    assert mixed.rho[0] == pytest.approx(math.tanh(z))
+    for bound in (mixed.lo, mixed.hi, mixed.t_lo, mixed.t_hi, mixed.boot_lo, mixed.boot_hi):
+        assert -1 < bound[0] < 1
+
+
+def test_fisher_mean_of_perfect_traces_is_exactly_plus_minus_one():
     perfect = fisher_mean([1.0] * 5)
-    assert perfect.rho[0] == pytest.approx(FISHER_CLIP)
-    lo, hi = fisher_z_interval(FISHER_CLIP, 5)
-    assert np.isfinite([perfect.lo[0], perfect.hi[0]]).all() and perfect.lo[0] == pytest.approx(float(lo))
-    assert perfect.hi[0] == pytest.approx(float(hi))
+    assert perfect.rho[0] == 1.0  # not FISHER_CLIP
+    for bound in (perfect.lo, perfect.hi, perfect.t_lo, perfect.t_hi, perfect.boot_lo, perfect.boot_hi):
+        assert bound[0] == 1.0
+    assert perfect.p[0] == 0.0 and perfect.t_p[0] == 0.0 and perfect.sd[0] == 0.0
+    # Columns: all -1 with an undefined trace; all +1 on two traces (only the t-interval is defined at n_eff = 2); a
+    # single perfect trace (a mean, no interval).
+    rho = np.array([[-1.0, 1.0, np.nan], [np.nan, 1.0, np.nan], [-1.0, np.nan, 1.0], [-1.0, np.nan, np.nan],
+                    [-1.0, np.nan, np.nan]])
+    result = fisher_mean(rho)
+    assert result.n_eff.tolist() == [4, 2, 1]
+    assert result.rho.tolist() == [-1.0, 1.0, 1.0]
+    assert [result.lo[0], result.hi[0], result.t_lo[0], result.t_hi[0], result.boot_lo[0]] == [-1.0] * 5
+    assert (result.t_lo[1], result.t_hi[1], result.t_p[1]) == (1.0, 1.0, 0.0) and np.isnan(result.lo[1])
+    assert np.isnan([result.t_lo[2], result.t_p[2], result.lo[2], result.boot_lo[2]]).all()
+
+
+def test_t_interval_by_hand():
+    # [1, 2, 3]: mean 2, s = 1, se = 1/sqrt(3). With 2 degrees of freedom the Student CDF is
+    # 1/2 + t / (2 sqrt(2 + t^2)), so the 97.5% quantile solves t / sqrt(2 + t^2) = 0.95, i.e.
+    # t = 0.95 sqrt(2 / (1 - 0.95^2)); the two-sided p of t = 2 sqrt(3) is 1 - t / sqrt(2 + t^2) = 1 - sqrt(12 / 14).
+    mean, lo, hi, p = t_interval([1.0, 2.0, 3.0])
+    quantile = 0.95 * math.sqrt(2 / (1 - 0.95**2))
+    assert quantile == pytest.approx(4.302652729911275)
+    assert mean == 2.0
+    assert (lo, hi) == pytest.approx((2 - quantile / math.sqrt(3), 2 + quantile / math.sqrt(3)))
+    assert p == pytest.approx(1 - math.sqrt(12 / 14))
+    # No spread: a point interval, p = 0 (or 1 at zero itself); one value: a mean and nothing else.
+    assert t_interval([0.5, 0.5, 0.5]) == (0.5, 0.5, 0.5, 0.0)
+    assert t_interval([0.0, 0.0]) == (0.0, 0.0, 0.0, 1.0)
+    single = t_interval([0.7, np.nan])
+    assert single[0] == 0.7 and np.isnan(single[1:]).all()
+
+
+def test_t_interval_matches_scipy_per_column_and_agrees_with_its_p():
+    rng = np.random.default_rng(4)
+    values = rng.normal(0.1, 0.3, size=(15, 4))
+    values[[2, 7], 1] = np.nan  # a column with two undefined units
+    mean, lo, hi, p = t_interval(values, level=0.9)
+    for k in range(4):
+        column = values[:, k][np.isfinite(values[:, k])]
+        ref = sps.ttest_1samp(column, 0.0)
+        ci = ref.confidence_interval(0.9)
+        assert (mean[k], lo[k], hi[k], p[k]) == pytest.approx((column.mean(), ci.low, ci.high, ref.pvalue))
+    for shift in np.linspace(-0.4, 0.4, 17):
+        _, lo, hi, p = t_interval(values[:, 0] + shift)
+        assert (p < 0.05) == (lo > 0 or hi < 0)
+
+
+def test_t_interval_keeps_its_level_on_forty_units():
+    # 4000 samples of 40 N(0.2, 0.3) values: the 95% t-interval covers 0.2 in 95% of them (binomial SD 0.0034).
+    values = np.random.default_rng(5).normal(0.2, 0.3, size=(40, 4000))
+    _, lo, hi, _ = t_interval(values)
+    assert np.mean((lo <= 0.2) & (0.2 <= hi)) == pytest.approx(0.95, abs=0.015)
 
 
 def test_fisher_mean_paper_interval_by_hand():
@@ -155,9 +225,37 @@ def test_fisher_mean_paper_interval_by_hand():
     same = fisher_mean([0.5] * 28)
     assert (same.lo[0], same.hi[0]) == pytest.approx((0.15603, 0.73582), abs=1e-4)
     assert (same.boot_lo[0], same.boot_hi[0]) == pytest.approx((0.5, 0.5))
-    # Three traces give no interval at all.
+    assert (same.t_lo[0], same.t_hi[0], same.t_p[0]) == pytest.approx((0.5, 0.5, 0.0))
+    # Three traces give neither the paper's interval nor the bootstrap; the t-interval needs only two.
     few = fisher_mean([0.1, 0.2, 0.3])
     assert np.isnan([few.lo[0], few.hi[0], few.boot_lo[0], few.boot_hi[0], few.p[0]]).all()
+    assert np.isfinite([few.t_lo[0], few.t_hi[0], few.t_p[0]]).all()
+
+
+def test_fisher_mean_t_interval_by_hand():
+    # z = 0.1, 0.2, 0.3, 0.4: mean 0.25, s = sqrt(0.05 / 3), se = s / 2; t_3 quantile 3.182446305284263.
+    z = np.array([0.1, 0.2, 0.3, 0.4])
+    result = fisher_mean(np.tanh(z))
+    half = 3.182446305284263 * math.sqrt(0.05 / 3) / 2
+    assert result.rho[0] == pytest.approx(math.tanh(0.25))
+    assert (result.t_lo[0], result.t_hi[0]) == pytest.approx((math.tanh(0.25 - half), math.tanh(0.25 + half)))
+    assert result.t_p[0] == pytest.approx(sps.ttest_1samp(z, 0.0).pvalue)
+
+
+def test_t_interval_reflects_the_spread_the_paper_interval_ignores():
+    # Issue 18's layer 20: 40 traces, mean z -0.3, SD of z 0.3. The paper's half-width 1.96 / sqrt(37) = 0.32 spans
+    # zero; the t half-width t_39 * 0.3 / sqrt(40) = 0.096 does not, and is close to the bootstrap's.
+    draws = np.random.default_rng(6).normal(size=40)
+    z = -0.3 + 0.3 * (draws - draws.mean()) / draws.std(ddof=1)
+    result = fisher_mean(np.tanh(z), n_boot=4000)
+    half = sps.t.ppf(0.975, 39) * 0.3 / math.sqrt(40)
+    assert (result.t_lo[0], result.t_hi[0]) == pytest.approx((math.tanh(-0.3 - half), math.tanh(-0.3 + half)))
+    assert result.lo[0] < 0 < result.hi[0] and result.t_hi[0] < 0 and result.t_p[0] < 1e-4
+    boot_width = result.boot_hi[0] - result.boot_lo[0]
+    assert result.t_hi[0] - result.t_lo[0] == pytest.approx(boot_width, rel=0.2)
+    assert result.hi[0] - result.lo[0] > 3 * boot_width
+
+
 
 
 def test_fisher_mean_bootstrap_resamples_traces():
@@ -194,3 +292,90 @@ def test_bootstrap_means_skips_nan_per_column():
     assert set(np.unique(reps[:, 1][np.isfinite(reps[:, 1])])) == {2.0}
     lo, hi = percentile_interval(reps, 0.95)
     assert (lo[1], hi[1]) == (2.0, 2.0) and (lo[0], hi[0]) == (0.0, 1.0)
+
+
+def _enumerated_p(x, strata):
+    """Two-sided permutation p of the mean within-stratum Spearman rho, enumerating every permutation with scipy."""
+    def statistic(xs):
+        return np.mean([sps.spearmanr(np.asarray(xs)[units], y).statistic for units, y in strata])
+
+    observed = abs(statistic(x))
+    null = [abs(statistic(np.asarray(x)[list(order)])) for order in itertools.permutations(range(len(x)))]
+    return np.mean(np.asarray(null) >= observed - 1e-12)
+
+
+def test_stratified_spearman_one_stratum_by_hand():
+    # Five scorers in perfect agreement: of the 5! = 120 orderings only it and its reverse reach |rho| = 1.
+    perfect = stratified_spearman([1, 2, 3, 4, 5], [([0, 1, 2, 3, 4], [0.1, 0.2, 0.3, 0.4, 0.5])], n_boot=200)
+    assert (perfect.rho, perfect.exact, perfect.n_permutations) == (1.0, True, 120)
+    assert perfect.p == pytest.approx(2 / 120) and perfect.p_floor == pytest.approx(2 / 120)
+    assert (perfect.n_units, perfect.n_points, perfect.n_strata) == (5, 5, 1)
+    # Four scorers cannot reach p < 0.05 however well they agree: the floor is 2 / 4! = 1/12.
+    four = stratified_spearman([1, 2, 3, 4], [([0, 1, 2, 3], [1, 2, 3, 4])], n_boot=200)
+    assert four.p == pytest.approx(1 / 12) and four.p_floor == pytest.approx(1 / 12)
+    # One swapped pair of six: rho = 1 - 6 * 2 / (6 * 35); p by enumeration of all 720 orderings.
+    x, y = [1, 2, 3, 4, 5, 6], [1, 2, 4, 3, 5, 6]
+    result = stratified_spearman(x, [(list(range(6)), y)], n_boot=200)
+    assert result.rho == pytest.approx(1 - 12 / 210)
+    assert result.p == pytest.approx(_enumerated_p(x, [(list(range(6)), y)]))
+
+
+def test_stratified_spearman_ranks_each_stratum_on_its_own():
+    # Budget B costs every scorer 0.5 more than budget A. Inside each budget the order is the scorers' (A) or has one
+    # swap (B: rho 0.8), so T = (1 + 0.8) / 2; pooled over both budgets the budget's cost would blur the ranking.
+    x = np.array([0.1, 0.2, 0.3, 0.4])
+    a = np.array([-0.3, -0.2, -0.1, 0.0])
+    b = a[[1, 0, 2, 3]] - 0.5
+    strata = [([0, 1, 2, 3], a), ([0, 1, 2, 3], b)]
+    result = stratified_spearman(x, strata, n_boot=500)
+    assert result.rho == pytest.approx(0.9) and result.n_strata == 2 and result.n_points == 8
+    assert sps.spearmanr(np.r_[x, x], np.r_[a, b]).statistic < 0.5  # what pooling the points would say
+    # One permutation of the offline values for both budgets at once, checked against full enumeration.
+    assert result.p == pytest.approx(_enumerated_p(x, strata)) and result.exact
+    # A scorer that ran at one budget only is still one unit.
+    partial = stratified_spearman(np.r_[x, 0.5], [([0, 1, 2, 3, 4], np.r_[a, 0.1]), ([0, 1, 2, 3], b)], n_boot=200)
+    assert partial.n_units == 5 and partial.n_permutations == 120
+    assert partial.rho == pytest.approx((1 + 0.8) / 2)
+
+
+def test_stratified_spearman_monte_carlo_when_enumeration_is_too_long():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=6)
+    y = x + rng.normal(size=6)
+    strata = [(list(range(6)), y)]
+    exact = stratified_spearman(x, strata, n_boot=100)
+    sampled = stratified_spearman(x, strata, n_boot=100, n_perm=700, seed=1)  # 700 < 6! = 720
+    assert exact.exact and exact.n_permutations == 720 and exact.p == pytest.approx(_enumerated_p(x, strata))
+    assert not sampled.exact and sampled.n_permutations == 700 and sampled.p_floor == pytest.approx(1 / 701)
+    # The sampled p is (count + 1) / 701 with count ~ Binomial(700, exact p): within 4 SD of it.
+    assert sampled.p == pytest.approx(exact.p, abs=4 * math.sqrt(exact.p * (1 - exact.p) / 700) + 1 / 701)
+
+
+def test_stratified_spearman_bootstrap_resamples_units():
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=10)
+    y = 0.5 * x + rng.normal(size=10)
+    result = stratified_spearman(x, [(list(range(10)), y)], n_boot=4000, seed=3)
+    # A naive bootstrap: draw 10 scorers with replacement, Spearman on the drawn points.
+    naive_rng = np.random.default_rng(99)
+    naive = []
+    for _ in range(1500):
+        draw = naive_rng.integers(0, 10, 10)
+        naive.append(spearman(x[draw], y[draw]))
+    naive = np.asarray(naive)
+    naive = naive[np.isfinite(naive)]
+    assert result.lo == pytest.approx(np.quantile(naive, 0.025), abs=0.05)
+    assert result.hi == pytest.approx(np.quantile(naive, 0.975), abs=0.05)
+    # Three scorers: a resample of one scorer three times (3 of 27) has no rho.
+    three = stratified_spearman([1, 2, 3], [([0, 1, 2], [3, 1, 2])], n_boot=5000)
+    assert three.n_boot_defined / 5000 == pytest.approx(24 / 27, abs=0.015)  # binomial SD 0.0044
+
+
+def test_stratified_spearman_leaves_out_undefined_points_and_refuses_repeats():
+    result = stratified_spearman([1, 2, np.nan, 3, 4], [([0, 1, 2, 3, 4], [1, 2, 3, np.nan, 4])], n_boot=100)
+    assert (result.n_units, result.n_points, result.rho) == (3, 3, 1.0)
+    undefined = stratified_spearman([1, 2, 3], [([0, 1, 2], [5, 5, 5])], n_boot=100)
+    assert np.isnan([undefined.rho, undefined.p, undefined.lo]).all() and undefined.n_units == 3
+    assert np.isnan(stratified_spearman([1.0], [([0], [1.0])]).rho)
+    with pytest.raises(ValueError, match="twice"):
+        stratified_spearman([1, 2, 3], [([0, 1, 1], [1, 2, 3])])

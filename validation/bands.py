@@ -1,9 +1,11 @@
 """Band selection and the combined band score (EpiKV §3.2 "two-band anatomy", Appendix 6, §5).
 
 A *band* is a run of consecutive layer indices whose correlation with the occlusion labels is significant (after the
-multiple-comparison correction across layers) with one consistent sign. EpiKV finds Band A (layers 7-13, rho > 0)
-and Band B (18-25, rho < 0) and scores s(t) = g_10(t) - g_21(t) (Eq. 1), one representative layer per band. Here the
-combined score is, in general,
+multiple-comparison correction across layers) with one consistent sign. Which test decides "significant" is the
+caller's: `validation.layers` passes `validation.correlation.SIGNIFICANCE`, the t-test of the per-trace z over
+traces for the within-trace rho, because the paper's Fisher-z interval ignores how much the traces disagree. EpiKV
+finds Band A (layers 7-13, rho > 0) and Band B (18-25, rho < 0) and scores s(t) = g_10(t) - g_21(t) (Eq. 1), one
+representative layer per band. Here the combined score is, in general,
 
     s(t) = mean_{l in P} x_l(t) - mean_{l in N} x_l(t)
 

@@ -7,17 +7,29 @@ Two aggregations of the same rho (EpiKV §3.2, §4.2, Appendix 6):
 - *within-trace*: one rho per trace, averaged in Fisher-z space (`validation.stats.fisher_mean`). A trace whose labels
   or signal are constant has no rho and is left out, so n_eff = traces with a defined rho.
 
-Intervals use n_eff = traces (Appendix 12), never tokens: the paper's Fisher-z interval for both, and for the
-within-trace mean also a percentile bootstrap over traces. The positional confound check (§3.2) is the within-trace
-rho between a signal and absolute position. Nothing here knows a signal by name: every function works on whatever
-columns the `Aligned` set holds (hidden-state layers, K/V statistics, a policy's replayed scores).
+Intervals use n_eff = traces (Appendix 12), never tokens. The pooled rho has the paper's Fisher-z interval. The
+within-trace mean has three (`validation.stats.fisher_mean` defines them): the paper's Fisher-z interval
+(``within_lo/within_hi``, ``within_p``), kept so the paper's protocol stays readable; the t-interval on the per-trace
+z (``within_t_lo/within_t_hi``, ``within_t_p``), which measures how much the traces disagree and is **the
+significance interval**; and a percentile bootstrap over traces (``within_boot_lo/within_boot_hi``) as a check. A
+rho of exactly +-1 in every trace is reported as exactly +-1. The positional confound check (§3.2) is the
+within-trace rho between a signal and absolute position. Nothing here knows a signal by name: every function works
+on whatever columns the `Aligned` set holds (hidden-state layers, K/V statistics, a policy's replayed scores).
+
+Each p-value is corrected across the layers of a (family, transform) group (`signal_table`). What bands
+(`validation.layers`) and selection evidence (`validation.select`) call significant is `SIGNIFICANCE`:
+``within_t_significant`` for the within-trace rho, ``pooled_significant`` for the pooled one (which has no per-trace
+values to resample, so only the paper's interval). ``within_p_adj/within_significant`` are the paper's decision on
+the Fisher-z p-value, beside it.
 
 Columns of `signal_table` (one row per signal; intervals are ``<name>_lo`` / ``<name>_hi``):
 ``signal, family, layer, transform, n_traces, n_tokens``;
-``pooled_rho, pooled_lo, pooled_hi, pooled_p, pooled_p_adj, pooled_significant``;
-``within_rho, within_lo, within_hi, within_boot_lo, within_boot_hi, within_n_eff, within_sd, within_p,
-within_p_adj, within_significant``;
-``position_rho, position_lo, position_hi, position_boot_lo, position_boot_hi, position_n_eff``.
+``pooled_rho, pooled_lo, pooled_hi, pooled_p``;
+``within_rho, within_lo, within_hi, within_t_lo, within_t_hi, within_boot_lo, within_boot_hi, within_n_eff,
+within_sd, within_p, within_t_p``;
+``position_rho, position_lo, position_hi, position_t_lo, position_t_hi, position_boot_lo, position_boot_hi,
+position_n_eff``;
+``pooled_p_adj, pooled_significant, within_p_adj, within_significant, within_t_p_adj, within_t_significant``.
 """
 
 from __future__ import annotations
@@ -38,6 +50,12 @@ from validation.stats import (
 )
 
 TARGETS = ("labels", "position")
+# The columns ``<prefix>_p_adj`` / ``<prefix>_significant`` that decide significance for each rho (the keys are the
+# band statistics of `validation.layers`): the within-trace mean by its t-test over traces, for the reasons
+# `validation.stats.fisher_mean` gives; the pooled rho by the paper's Fisher-z test.
+SIGNIFICANCE = {"within": "within_t", "pooled": "pooled"}
+# The p-value columns the correction runs on: the decisions above and the paper's own on the within-trace mean.
+_CORRECTED = ("pooled", "within", "within_t")
 
 
 @dataclass(frozen=True)
@@ -64,7 +82,8 @@ def per_trace_rho(aligned: Aligned, target: str = "labels") -> np.ndarray:
 
 def within_trace(aligned: Aligned, target: str = "labels", level: float = 0.95, n_boot: int = DEFAULT_N_BOOT,
                  seed: int = 0) -> MeanCorrelation:
-    """Fisher-z mean of per-trace rho, n_eff = traces with a defined rho, both intervals (EpiKV §3.2, App. 12)."""
+    """Fisher-z mean of per-trace rho, n_eff = traces with a defined rho, its three intervals (EpiKV §3.2, App. 12;
+    `validation.stats.fisher_mean`)."""
     return fisher_mean(per_trace_rho(aligned, target), level, n_boot, seed)
 
 
@@ -97,9 +116,10 @@ def signal_table(aligned: Aligned, level: float = 0.95, correction: str = "fdr_b
     position rho, corrected p-values.
 
     The multiple-comparison correction runs across the layers of each (family, transform) group, separately for
-    the pooled and the within-trace p-values; a layerless signal is a family of one. `significant_*` is
-    "corrected p < alpha"; with correction "none" and alpha = 1 - level it is exactly "the Fisher-z interval excludes
-    zero".
+    the pooled p (``pooled_p``), the paper's within-trace p (``within_p``) and the t-test's (``within_t_p``); a
+    layerless signal is a family of one. ``<prefix>_significant`` is "``<prefix>_p_adj`` < alpha"; with correction
+    "none" and alpha = 1 - level it is exactly "the ``<prefix>`` interval excludes zero". `SIGNIFICANCE` names the
+    decision the rest of kvscope uses (``within_t_significant`` for the within-trace rho).
     """
     pool = pooled(aligned, "labels", level)
     within = within_trace(aligned, "labels", level, n_boot, seed)
@@ -112,17 +132,17 @@ def signal_table(aligned: Aligned, level: float = 0.95, correction: str = "fdr_b
             "signal": sig.name, "family": sig.family, "layer": sig.layer, "transform": sig.transform,
             "n_traces": len(aligned.traces), "n_tokens": n_tokens,
             **_columns("pooled", pool, i, ("rho", "lo", "hi", "p")),
-            **_columns("within", within, i, ("rho", "lo", "hi", "boot_lo", "boot_hi")),
+            **_columns("within", within, i, ("rho", "lo", "hi", "t_lo", "t_hi", "boot_lo", "boot_hi")),
             "within_n_eff": int(within.n_eff[i]),
-            **_columns("within", within, i, ("sd", "p")),
-            **_columns("position", position, i, ("rho", "lo", "hi", "boot_lo", "boot_hi")),
+            **_columns("within", within, i, ("sd", "p", "t_p")),
+            **_columns("position", position, i, ("rho", "lo", "hi", "t_lo", "t_hi", "boot_lo", "boot_hi")),
             "position_n_eff": int(position.n_eff[i]),
         })
     groups: dict[tuple[str, str], list[int]] = {}
     for i, sig in enumerate(parsed):
         groups.setdefault((sig.family, sig.transform), []).append(i)
     for members in groups.values():
-        for stat in ("pooled", "within"):
+        for stat in _CORRECTED:
             reject, adjusted = adjust_pvalues([rows[i][f"{stat}_p"] for i in members], correction, alpha)
             for j, i in enumerate(members):
                 rows[i][f"{stat}_p_adj"] = float(adjusted[j])

@@ -5,18 +5,21 @@
 
 Reproduces EpiKV's signal-validation pipeline: the per-layer Spearman table (§4.2, Appendix 6) pooled and
 within-trace (per-trace rho averaged in Fisher-z space, n_eff = traces with a defined rho, the paper's Fisher-z
-interval and a bootstrap over traces; Appendix 12) with a multiple-comparison correction across layers; the
-positional confound check and raw-vs-detrended comparison (§3.2 "temporal-trend correction", Appendix 10); band
-selection and the combined score (§3.2, Eq. 1); scorer selection by within-trace rho. The table and the ranking work
-on any signal names (per-layer interpretability signals, a policy's replayed scores); only the policy configuration
-is specific to the EpiKV band policies. File formats: `validation.signals`; columns: `validation.correlation`.
+interval, a t-interval over traces and a bootstrap over traces; Appendix 12) with a multiple-comparison correction
+across layers; the positional confound check and raw-vs-detrended comparison (§3.2 "temporal-trend correction",
+Appendix 10); band selection and the combined score (§3.2, Eq. 1); scorer selection by within-trace rho. A band is a
+run of layers that are significant by `validation.correlation.SIGNIFICANCE` (with --band-stat within, the t-test of
+the per-trace z over traces after the correction; `validation.stats.fisher_mean` says why not the paper's Fisher-z
+interval). The table and the ranking work on any signal names (per-layer interpretability signals, a policy's
+replayed scores); only the policy configuration is specific to the EpiKV band policies. File formats:
+`validation.signals`; columns: `validation.correlation`.
 
 The library entry point is `validate_layers(LayersConfig(...))`; the CLI is a thin adapter over it. Outputs under
 --out: layers.csv (one row per signal), scorers.csv (signals and the combined band scores ranked by within-trace
-rho), positional.csv (raw vs detrended, label rho and position rho per layer), summary.json (all of it, plus the
-bands), policy.json (when both a positive and a negative band exist in the signal the band policies score with;
-runnable by `evictor.run --policy-config`), config.json (the settings and what they resolved to). Without --out the
-summary is printed only.
+rho), positional.csv (raw vs detrended, label rho and position rho per layer, each with its Fisher-z interval
+`_lo/_hi` and t-interval `_t_lo/_t_hi`), summary.json (all of it, plus the bands), policy.json (when both a positive
+and a negative band exist in the signal the band policies score with; runnable by `evictor.run --policy-config`),
+config.json (the settings and what they resolved to). Without --out the summary is printed only.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from validation.bands import (
     find_bands,
     policy_config,
 )
-from validation.correlation import informative_traces, rank_scorers, signal_table
+from validation.correlation import SIGNIFICANCE, informative_traces, rank_scorers, signal_table
 from validation.report import fmt, write_csv, write_json
 from validation.signals import Aligned, load_aligned, parse_signal_name
 from validation.stats import CORRECTIONS, DEFAULT_N_BOOT
@@ -171,7 +174,8 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
                         "EpiKV App. 6)")
     parser.add_argument("--band-stat", choices=BAND_STATS, default="within",
                         help="which rho defines the bands: within-trace (default; robust to cross-problem "
-                        "structure, §3.2) or pooled over tokens")
+                        "structure, §3.2; a layer is significant by the t-test of its per-trace z over traces) or "
+                        "pooled over tokens (significant by the paper's Fisher-z test on n_eff traces)")
     parser.add_argument("--band-layers", choices=BAND_LAYER_MODES, default="peak",
                         help="peak: one representative layer per band, largest |rho| (EpiKV's 10 and 21); "
                         "all: every layer of the band (band-mean score)")
@@ -260,7 +264,8 @@ def _positional_rows(rows: list[dict], combined_rows: list[dict], setup: BandSet
             continue
         row = {"layer": layer, "raw_signal": raw["signal"], "detrended_signal": det["signal"]}
         for prefix, r in (("raw", raw), ("detrended", det)):
-            for k in ("within_rho", "within_lo", "within_hi", "position_rho", "position_lo", "position_hi"):
+            for k in ("within_rho", "within_lo", "within_hi", "within_t_lo", "within_t_hi", "position_rho",
+                      "position_lo", "position_hi", "position_t_lo", "position_t_hi"):
                 row[f"{prefix}_{k.replace('within', 'label')}"] = r[k]
         row["abs_position_rho_reduction"] = abs(raw["position_rho"]) - abs(det["position_rho"])
         out.append(row)
@@ -296,7 +301,8 @@ def analyse(aligned: Aligned, config: LayersConfig, bands: bool = True) -> Layer
                             and r["layer"] is not None), key=lambda r: r["layer"])
         stat = config.band_stat
         result.bands = find_bands([r["layer"] for r in band_rows], [r[f"{stat}_rho"] for r in band_rows],
-                                  [r[f"{stat}_significant"] for r in band_rows], config.min_band_length)
+                                  [r[f"{SIGNIFICANCE[stat]}_significant"] for r in band_rows],
+                                  config.min_band_length)
         if result.bands:
             result.layers = choose_layers(result.bands, config.band_layers)
             result.combined_rows = _combined_rows(aligned, setup, *result.layers, config)
@@ -344,8 +350,8 @@ def _band_policies(result: LayersResult, aligned: Aligned, config: LayersConfig)
     candidates = [(p, r) for p, r in candidates if p is not None and r is not None]
 
     def summary(row: dict) -> dict:
-        keys = ("signal", "within_rho", "within_lo", "within_hi", "within_boot_lo", "within_boot_hi", "within_n_eff",
-                "pooled_rho", "position_rho")
+        keys = ("signal", "within_rho", "within_lo", "within_hi", "within_t_lo", "within_t_hi", "within_boot_lo",
+                "within_boot_hi", "within_n_eff", "pooled_rho", "position_rho")
         return {k: row[k] for k in keys}
 
     provenance = {
@@ -358,6 +364,7 @@ def _band_policies(result: LayersResult, aligned: Aligned, config: LayersConfig)
         "detrended_transform": setup.detrended,
         "band_transform": setup.band,
         "band_stat": config.band_stat,
+        "significance": f"{SIGNIFICANCE[config.band_stat]}_significant",
         "band_layers": config.band_layers,
         "min_band_length": config.min_band_length,
         "correction": config.correction,
@@ -382,14 +389,17 @@ def _band_policies(result: LayersResult, aligned: Aligned, config: LayersConfig)
 def _print_summary(result: LayersResult, config: LayersConfig, out) -> None:
     setup = result.setup
     level = f"{config.level:.0%}"
-    print(f"{'signal':36s} {'pooled':>7s} {'within':>7s} {level + ' Fisher z':>17s} {level + ' bootstrap':>17s} "
-          f"{'n_eff':>5s} {'sig':>3s} {'pos':>7s}", file=out)
+    print(f"{'signal':36s} {'pooled':>7s} {'within':>7s} {level + ' t':>17s} {level + ' Fisher z':>17s} "
+          f"{level + ' bootstrap':>17s} {'n_eff':>5s} {'sig':>3s} {'pos':>7s}", file=out)
     for r in result.rows:
+        t = f"[{fmt(r['within_t_lo'])},{fmt(r['within_t_hi'])}]"
         ci = f"[{fmt(r['within_lo'])},{fmt(r['within_hi'])}]"
         boot = f"[{fmt(r['within_boot_lo'])},{fmt(r['within_boot_hi'])}]"
-        print(f"{r['signal']:36s} {fmt(r['pooled_rho']):>7s} {fmt(r['within_rho']):>7s} {ci:>17s} {boot:>17s} "
-              f"{r['within_n_eff']:5d} {'*' if r['within_significant'] else '':>3s} {fmt(r['position_rho']):>7s}",
-              file=out)
+        print(f"{r['signal']:36s} {fmt(r['pooled_rho']):>7s} {fmt(r['within_rho']):>7s} {t:>17s} {ci:>17s} "
+              f"{boot:>17s} {r['within_n_eff']:5d} {'*' if r['within_t_significant'] else '':>3s} "
+              f"{fmt(r['position_rho']):>7s}", file=out)
+    print(f"sig: {SIGNIFICANCE['within']}_significant, the t-test over traces after the {config.correction} "
+          "correction", file=out)
     if setup is None:
         print("no layered signals: no band selection", file=out)
         return

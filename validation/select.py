@@ -3,11 +3,11 @@
     python -m validation.select --labels labels.jsonl --signals signals.jsonl replay.jsonl --out runs/select --top 3
 
 Every (scorer, layer) pair of the signal files is ranked by its within-trace Spearman rho with the occlusion labels:
-one rho per trace, averaged in Fisher-z space, n_eff = traces with a defined rho, the paper's Fisher-z interval and a
-bootstrap over traces (`validation.correlation`, EpiKV §3.2 and App. 12). All scorers are ranked on the same tokens:
-a position where any signal is undefined is left out for all (their count is reported). When the files hold
-hidden_diff at several layers, EpiKV's bands are found in it (`validation.layers`, `validation.bands`) and the
-combined band scores join the ranking.
+one rho per trace, averaged in Fisher-z space, n_eff = traces with a defined rho, the paper's Fisher-z interval, the
+t-interval over traces that significance rests on, and a bootstrap over traces (`validation.correlation`, EpiKV §3.2
+and App. 12). All scorers are ranked on the same tokens: a position where any signal is undefined is left out for
+all (their count is reported). When the files hold hidden_diff at several layers, EpiKV's bands are found in it
+(`validation.layers`, `validation.bands`) and the combined band scores join the ranking.
 
 Walking down the ranking, the first `--top` scorers that a registered policy computes, each with a positive rho (a
 policy keeps its high scores), are chosen, and each gets the configuration ``{"policy", "params"}`` that
@@ -48,8 +48,9 @@ from validation.signals import Aligned, load_aligned, parse_signal_name, signal_
 
 DEFAULT_TOP = 3
 # The columns of a ranked row worth a chosen configuration's provenance.
-_EVIDENCE = ("signal", "within_rho", "within_lo", "within_hi", "within_boot_lo", "within_boot_hi", "within_n_eff",
-             "within_p_adj", "within_significant", "pooled_rho", "position_rho")
+_EVIDENCE = ("signal", "within_rho", "within_lo", "within_hi", "within_t_lo", "within_t_hi", "within_boot_lo",
+             "within_boot_hi", "within_n_eff", "within_p_adj", "within_significant", "within_t_p_adj",
+             "within_t_significant", "pooled_rho", "position_rho")
 
 
 BEST_FILE = "best.json"
@@ -151,10 +152,10 @@ def select(config: SelectConfig) -> Selection:
 
 def _print_summary(selection: Selection, config: SelectConfig, out, shown: int = 15) -> None:
     level = f"{config.analysis.level:.0%}"
-    print(f"{'rank':>4s} {'scorer':40s} {'within':>7s} {level + ' Fisher z':>17s} {'n_eff':>5s} {'deploys':>12s}",
+    print(f"{'rank':>4s} {'scorer':40s} {'within':>7s} {level + ' t':>17s} {'n_eff':>5s} {'deploys':>12s}",
           file=out)
     for entry in selection.ranking[:shown]:
-        ci = f"[{fmt(entry['within_lo'])},{fmt(entry['within_hi'])}]"
+        ci = f"[{fmt(entry['within_t_lo'])},{fmt(entry['within_t_hi'])}]"
         deploys = entry["policy"] or "-"
         print(f"{entry['rank']:4d} {entry['signal'][:40]:40s} {fmt(entry['within_rho']):>7s} {ci:>17s} "
               f"{entry['within_n_eff']:5d} {deploys:>12s}", file=out)
@@ -171,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m validation.select",
         description="Rank every (scorer, layer) pair of signal files (probes.signals, evictor.replay) by within-trace "
-        "Spearman rho with occlusion labels (Fisher-z mean, n_eff = traces, 95% CI), find EpiKV's bands in "
-        "hidden_diff, and write a runnable evictor.run --policy-config file for each of the best scorers a policy "
-        "computes.",
+        "Spearman rho with occlusion labels (Fisher-z mean, n_eff = traces, t-interval over traces), find EpiKV's "
+        "bands in hidden_diff, and write a runnable evictor.run --policy-config file for each of the best scorers a "
+        "policy computes.",
     )
     add_analysis_arguments(parser)
     parser.add_argument("--top", type=positive_int, default=DEFAULT_TOP,
