@@ -120,7 +120,7 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
 
 
 INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels"), "signals": ("traces", "labels"),
-          "selection": ("labels", "signals"), "evictor": ("traces", "selection"), "compare": ("evictor",)}
+          "selection": ("labels", "signals", "agreement"), "evictor": ("traces", "selection"), "compare": ("evictor",)}
 
 
 def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int) -> float | None:
@@ -242,7 +242,8 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
                   lambda d: stages.signals_stage(config, rec["traces"].outputs, rec["labels"].outputs, d, paths),
                   off=None if labelled else "no labelled trace")
         study.run("selection", settings["selection"],
-                  lambda d: stages.selection_stage(config, rec["labels"].outputs, rec["signals"].outputs, d, paths))
+                  lambda d: stages.selection_stage(config, rec["labels"].outputs, rec["signals"].outputs, d, paths,
+                                                   rec["agreement"].outputs))
         study.run("evictor", settings["evictor"],
                   lambda d: stages.evictor_stage(config, rec["traces"].outputs, rec["labels"].outputs,
                                                  rec["selection"].outputs, d, paths, backend, quiet))

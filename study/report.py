@@ -70,6 +70,11 @@ def distinct_scorers(ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def interval(row: dict[str, Any], name: str) -> str:
+    """``[lo, hi]`` of the interval `name` (columns ``<name>_lo`` / ``<name>_hi``) of a row."""
+    return f"[{fmt(row.get(f'{name}_lo'))}, {fmt(row.get(f'{name}_hi'))}]"
+
+
 def budgets_text(budgets) -> str:
     """A study's budgets in words: fractions of each problem's dense trace length, K in tokens, or both."""
     fractions = [f"{b:g}" for b in budgets if isinstance(b, float)]
@@ -124,8 +129,9 @@ def write_selection(result) -> dict[str, Any]:
         "chosen": [{**c, "ran_as": stages.ran_as(c["name"], selection["configs"][c["name"]], defaults)}
                    for c in selection["chosen"]],
         "configs": {n: {**c, "file": f"configs/{n}.json"} for n, c in configs.items()},
-        "ranking": [{k: row[k] for k in ("rank", "signal", "within_rho", "within_lo", "within_hi", "within_n_eff",
-                                         "policy")} for row in distinct_scorers(ranking)[:SHOWN_SCORERS]],
+        "ranking": [{k: row[k] for k in ("rank", "signal", "within_rho", "within_t_lo", "within_t_hi", "within_lo",
+                                         "within_hi", "within_n_eff", "policy")}
+                    for row in distinct_scorers(ranking)[:SHOWN_SCORERS]],
     }
     write_json(out / "selection.json", summary)
     return summary
@@ -171,9 +177,9 @@ def draw_figures(result, ranking: list[dict[str, str]], accuracy: list[dict], co
         "signals_by_layer": ("per-layer rho of the other layered signals and replayed scores",
                              lambda: plot_layer_rho(from_validation_table(others))),
         "scorer_ranking": ("the best scorers by within-trace rho",
-                           lambda: plot_forest(deployable, label="signal", value="within_rho", low="within_lo",
-                                               high="within_hi", group="policy",
-                                               xlabel="within-trace Spearman ρ with occlusion labels")),
+                           lambda: plot_forest(deployable, label="signal", value="within_rho", low="within_t_lo",
+                                               high="within_t_hi", group="policy",
+                                               xlabel="within-trace ρ with the labels (t-interval over traces)")),
         "accuracy_budget": ("accuracy against the budget",
                             lambda: plot_accuracy_vs_budget([{**r, "policy": r["config"]} for r in accuracy])),
         "difference_vs_random": ("accuracy difference against random",
@@ -306,17 +312,20 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
                      "baselines and each paper's default scorer only.")
     if ranking:
         shown = distinct_scorers(ranking)[:SHOWN_SCORERS]
-        rows = [[r["rank"], r["signal"], fmt(r["within_rho"]), f"[{fmt(r['within_lo'])}, {fmt(r['within_hi'])}]",
-                 f"[{fmt(r['within_boot_lo'])}, {fmt(r['within_boot_hi'])}]", r["within_n_eff"],
-                 fmt(r["within_p_adj"]), "yes" if r["within_significant"] is True else "no", fmt(r["position_rho"]),
+        rows = [[r["rank"], r["signal"], fmt(r["within_rho"]), interval(r, "within_t"), interval(r, "within"),
+                 interval(r, "within_boot"), r["within_n_eff"], fmt(r["within_t_p_adj"]),
+                 "yes" if r["within_t_significant"] is True else "no", fmt(r["position_rho"]),
                  r["policy"] if isinstance(r["policy"], str) else "–"] for r in shown]
         lines += [f"Scorers ranked by within-trace Spearman rho with the labels (one rho per trace, Fisher-z mean, "
                   f"n_eff = traces with a defined rho; {selection['n_tokens']} reasoning positions, "
                   f"{selection['nonfinite_positions_dropped']} positions where any signal is undefined left out for "
                   f"every signal); the best layer and head of each scorer and transform, {len(rows)} of "
-                  f"{len(ranking)} rows (all in `ranking.csv`):", "",
-                  table(["rank", "scorer", "rho", f"{level} Fisher z", f"{level} bootstrap", "n_eff", "p (FDR)",
-                         "significant", "rho with position", "deploys"], rows), "",
+                  f"{len(ranking)} rows (all in `ranking.csv`). Significance rests on the t-interval over the "
+                  "per-trace z (it resamples the spread between traces; p corrected across each family's layers, "
+                  "FDR); the paper's Fisher-z interval (se 1/sqrt(n_eff − 3)) and the bootstrap over traces are "
+                  "beside it:", "",
+                  table(["rank", "scorer", "rho", f"{level} t (traces)", f"{level} Fisher z", f"{level} bootstrap",
+                         "n_eff", "p (t, FDR)", "significant", "rho with position", "deploys"], rows), "",
                   figure_md(figures, "scorer_ranking"), "", figure_md(figures, "layer_rho"), "",
                   figure_md(figures, "signals_by_layer")]
         bands = selection.get("bands") or []
@@ -324,14 +333,26 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
         lines.append("Bands of g_l (runs of adjacent significant layers): " + (
             "; ".join(f"{'+' if b['sign'] > 0 else '−'} layers {b['layers'][0]}–{b['layers'][-1]} (peak "
                       f"{b['peak_layer']}, rho {fmt(b['peak_rho'])})" for b in bands) if bands else "none found."))
+    robustness = selection.get("robustness")
+    if robustness:
+        names = [name for name in robustness["rows"][0] if name != "scorer"] if robustness["rows"] else []
+        rows = [[r["scorer"], *[fmt(r[name]) for name in names]] for r in robustness["rows"]]
+        lines += ["", f"### Scorer ranking under each replacement ({robustness['traces']} traces labelled by every "
+                  "set)", "", "Each replayed scorer's within-trace rho (its own aggregate score) with the labels "
+                  "made by each filler; a finding rests on labels that agree:", "",
+                  table(["scorer", *[f"rho ({name})" for name in names]], rows), ""]
+        lines += [f"- {r['a']} vs {r['b']}: Spearman {fmt(r['spearman'])} across {r['scorers']} scorers; best "
+                  f"{r['best_a']} vs {r['best_b']}" + (" (the same)" if r["best_a"] == r["best_b"] else
+                                                       " (**the best scorer changes**)")
+                  for r in robustness["agreement"]]
     if selection["chosen"]:
         defaults = stages.default_configs(result.config)
         rows = [[stages.ran_as(c["name"], selection["configs"][c["name"]], defaults), c["policy"],
-                 f"`{c['params']}`", c["signal"], fmt(c["within_rho"]),
-                 f"[{fmt(c['within_lo'])}, {fmt(c['within_hi'])}]"] for c in selection["chosen"]]
+                 f"`{c['params']}`", c["signal"], fmt(c["within_rho"]), interval(c, "within_t")]
+                for c in selection["chosen"]]
         lines += ["", "Selected configurations, under the name they ran as (a selected configuration equal to a "
                   "baseline or a paper's default runs once, under that name; each is in `configs/<name>.json`):", "",
-                  table(["ran as", "policy", "params", "scorer", "rho", f"{level} CI"], rows)]
+                  table(["ran as", "policy", "params", "scorer", "rho", f"{level} t (traces)"], rows)]
     return "\n".join(lines)
 
 
@@ -393,6 +414,52 @@ def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
     return "\n".join(lines)
 
 
+def offline_rows(result, ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each configuration the evictor ran, with the offline statistic of the score it deploys: a selected
+    configuration's chosen signal, a policy at its default parameters its own aggregate score (``<policy>.agg.raw``)."""
+    by_signal, defaults = {row["signal"]: row for row in ranking}, stages.default_configs(result.config)
+    chosen = {stages.ran_as(c["name"], result["selection"]["configs"][c["name"]], defaults): c["signal"]
+              for c in result["selection"]["chosen"]}
+    rows = []
+    for name, config in ran_configs(result).items():
+        row = by_signal.get(chosen.get(name, f"{config['policy']}.agg.raw"))
+        if row is not None:
+            rows.append({"scorer": name, "signal": row["signal"], "rho": row["within_rho"],
+                         "rho_lo": row.get("within_t_lo"), "rho_hi": row.get("within_t_hi")})
+    return rows
+
+
+def predictive_section(result, ranking: list[dict[str, Any]], comparisons: list[dict]) -> str:
+    """Every scorer that ran in the evictor: its offline rho beside its deployed difference against random, and
+    the rank correlation between the two (`validation.predictive`)."""
+    from validation.predictive import describe, predictive
+
+    level = result.config.level
+    deployed = [{"scorer": r["config"], "budget": r["budget_a"], "difference": r["difference"], "ci_lo": r["ci_lo"],
+                 "ci_hi": r["ci_hi"], "n_problems": r["n_problems"]} for r in comparisons if not r.get("error")]
+    offline = offline_rows(result, ranking)
+    if not deployed or not offline:
+        return "Nothing to set side by side: " + ("no scorer was validated offline." if not offline else
+                                                  "no scorer was compared with random.")
+    found = predictive(offline, deployed, level=level, seed=result.config.seed)
+    rows = [[r["scorer"], r["signal"] or "–", budget_text(r["budget"]), fmt(r["offline_rho"]),
+             f"[{fmt(r['offline_lo'])}, {fmt(r['offline_hi'])}]", f"{100 * r['difference']:+.1f}",
+             f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}]", r["n_problems"]] for r in found.rows]
+    lines = ["Does the statistic the scorers were ranked by predict what evicting by them keeps? Each configuration "
+             "that ran in the evictor, its within-trace rho with the labels (the score it deploys: its own aggregate "
+             "over layers and heads, or the selected layer) beside its accuracy difference against "
+             f"{REFERENCE} (points), and Spearman's rho between the two across scorers (per budget, and their mean):",
+             "", table(["configuration", "offline signal", "budget", "rho", f"{level:.0%} t (traces)",
+                        f"diff vs {REFERENCE}", f"{level:.0%} CI", "n"], rows), ""]
+    for budget, test in found.per_budget.items():
+        lines.append(f"- budget {budget_text(budget)}: {describe(test, level)}")
+    if len(found.per_budget) > 1:
+        lines.append(f"- all budgets: {describe(found.overall, level)}")
+    if found.not_validated:
+        lines.append(f"\nNo offline statistic (not a replayed scorer): {', '.join(found.not_validated)}.")
+    return "\n".join(lines)
+
+
 def reproduce_section(result, summary: dict) -> str:
     c = result.config
     selection = result["selection"]
@@ -429,8 +496,7 @@ def answer_line(result, comparisons: list[dict]) -> str:
     if selection["status"] == "selected":
         best = selection["chosen"][0]
         first = (f"The best deployable scorer is {best['signal']} (rho {fmt(best['within_rho'])} "
-                 f"[{fmt(best['within_lo'])}, {fmt(best['within_hi'])}], n_eff {best['within_n_eff']}), deployed as "
-                 f"{best['policy']}.")
+                 f"{interval(best, 'within_t')}, n_eff {best['within_n_eff']}), deployed as {best['policy']}.")
     else:
         first = (f"The selection is inconclusive (n = {selection['n_traces']} traces, n_eff = {selection['n_eff']}): "
                  f"{selection['reason']}.")
@@ -472,6 +538,8 @@ def write_report(result) -> Path:
         "## 2. Signals, statistics and selection", "", selection_section(result, ranking, figures), "",
         "## 3. Eviction at equal cache", "", eviction_section(result, accuracy, figures), "",
         f"## 4. Against {REFERENCE}", "", comparison_section(result, comparisons, figures), "",
+        *(["## 5. Does the offline statistic predict eviction?", "", predictive_section(result, ranking, comparisons),
+           ""] if not is_long_context(c.dataset) else []),
         "## Reproduce", "", reproduce_section(result, summary), "",
         f"Wall time of this invocation: {result.seconds:.0f} s.", "",
     ]

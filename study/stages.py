@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.backend import BackendConfig, run_units
 from core.errors import UsageError
 from core.rundir import RunDir
@@ -272,7 +274,42 @@ def default_configs(config: StudyConfig) -> dict[str, dict[str, Any]]:
             for name in names}
 
 
-def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path: Path, paths: Paths) -> Outputs:
+def ranking_robustness(config: StudyConfig, agreement: Outputs, files: tuple[str, ...], paths: Paths) -> Outputs:
+    """Each replayed scorer's within-trace rho (its own aggregate score) under the labels of every replacement the
+    agreement stage compared, on the traces every set labelled, and Spearman's rho between the study's ranking and
+    each other one: does a finding survive a change of filler?"""
+    from scipy.stats import spearmanr
+
+    from validation.correlation import signal_table
+    from validation.signals import load_aligned
+
+    names = [f"{scorer}.agg.raw" for scorer in config.scorers if scorer != "random"]
+    sets = {chosen: load_aligned(paths.abs(file), files) for chosen, file in agreement["files"].items()}
+    shared = set.intersection(*({t.id for t in aligned.traces} for aligned in sets.values()))
+    rho = {}
+    for chosen, aligned in sets.items():
+        present = [n for n in names if n in aligned.names]
+        subset = aligned.select(present)._replace(present, [t for t in aligned.traces if t.id in shared]).finite()
+        rows = signal_table(subset, config.level, n_boot=config.n_boot, seed=config.seed)
+        rho[chosen] = {row["signal"].removesuffix(".agg.raw"): row["within_rho"] for row in rows}
+    main, *others = list(rho)
+    scorers = list(rho[main])
+    rows = [{"scorer": scorer, **{chosen: rho[chosen].get(scorer) for chosen in rho}} for scorer in scorers]
+    agreement_rows = []
+    for other in others:
+        pairs = [(rho[main][s], rho[other].get(s)) for s in scorers]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None and np.isfinite(a) and np.isfinite(b)]
+        agreement_rows.append({
+            "a": main, "b": other, "scorers": len(pairs),
+            "spearman": float(spearmanr(*zip(*pairs)).statistic) if len(pairs) > 2 else None,
+            "best_a": max(rho[main], key=lambda s: np.nan_to_num(rho[main][s], nan=-2)),
+            "best_b": max(rho[other], key=lambda s: np.nan_to_num(rho[other][s], nan=-2)),
+        })
+    return {"traces": len(shared), "rows": rows, "agreement": agreement_rows}
+
+
+def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path: Path, paths: Paths,
+                    agreement: Outputs | None = None) -> Outputs:
     """Rank every (scorer, layer) pair by within-trace Spearman rho with the labels (`validation.select`) and choose
     the --top configurations; inconclusive (with its n) when the data cannot support an interval."""
     from validation.layers import LayersConfig
@@ -307,7 +344,9 @@ def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path
             "bands": summary["bands"], "band_layers": summary["band_layers"],
             "nonfinite_positions_dropped": summary["nonfinite_positions_dropped"], "n_tokens": summary["n_tokens"],
             "chosen": selection.chosen, "configs": selection.configs, "labels": labels["labels"],
-            "signals": list(signals["files"])}
+            "signals": list(signals["files"]),
+            "robustness": ranking_robustness(config, agreement, files, paths)
+            if agreement and len(agreement.get("files", {})) > 1 else None}
 
 
 def informative(analysis) -> tuple[int, int]:

@@ -47,8 +47,8 @@ def _same(a: str, b: str, **kw) -> bool:
 def study_args(tiny_dir, data_file, out, *extra):
     return ["--model", str(tiny_dir), "--dataset", "gsm8k", "--data-file", data_file, "--limit", "4",
             "--max-new-tokens", "24", "--include-incorrect", "--budget", "0.5", "--window", "8", "--stride", "4",
-            "--max-answer-tokens", "4", "--tail", "6", "--no-force-answer", "--scorers", SCORERS, "--n-boot", "100", "--compare-n-boot",
-            "100", "--quiet", "--out", str(out), *extra]
+            "--max-answer-tokens", "4", "--tail", "6", "--no-force-answer", "--scorers", SCORERS, "--n-boot", "100",
+            "--compare-n-boot", "100", "--quiet", "--out", str(out), *extra]
 
 
 def run_study(tiny_dir, data_file, out, *extra, answer=_toy_answer):
@@ -100,6 +100,9 @@ def test_the_study_writes_every_deliverable(study):
     assert len(peaks) == 1  # one protocol, one protection: every evicting cell held the same peak cache
     agreement = re.search(r"\| (\w+) \| delete \| 4 \|", report)
     assert agreement is not None  # every labelled trace relabelled by deletion (the default) and compared
+    assert "### What each occluded window did" in report and "### Scorer ranking under each replacement" in report
+    assert re.search(r"- \w+ vs delete: Spearman", report)
+    assert "## 5. Does the offline statistic predict eviction?" in report
     layers = list(csv.DictReader((study / "layers.csv").open()))  # the per-layer analysis behind the bands
     assert {r["layer"] for r in layers} >= {"0.0", "3.0"} and (study / "positional.csv").is_file()
     revision = json.loads((study / "config.json").read_text())["revision"]
