@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from core.errors import UsageError
-from models.attention import visible_by_position
+from models.attention import layer_kinds, visible_by_position
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -160,8 +160,7 @@ class EvictingCache(Cache):
 
     def __init__(self, config, capacity: int,
                  slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
-        n_layers = config.num_hidden_layers
-        types = list(getattr(config, "layer_types", None) or [FULL] * n_layers)
+        types = layer_kinds(config)
         unknown = sorted({t for t in types if t not in (FULL, SLIDING)})
         if unknown:
             raise UsageError(f"layer types {unknown} are not supported by the evicting cache (only {FULL}, {SLIDING})")

@@ -43,8 +43,9 @@ from evictor.cache import EvictingCache, position_mask
 from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
 from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig, RoundPlan, SequenceBudgets, plan_round, sequence_budgets
+from models.attention import layer_kinds
 from models.hooks import capture, decoder_layers, hook_name
-from models.loading import LoadedModel, attention_kernel
+from models.lm import LoadedModel, attention_kernel
 from tasks.generation import pick_tokens, stop_token_ids
 
 FROZEN = "frozen"
@@ -102,8 +103,7 @@ class EvictionEngine:
         self.shared_layers = bool(policy.shared_across_layers)
         self.observes = type(policy).observe is not Policy.observe
         self.kernel = attention_kernel(self.model)
-        layer_types = getattr(cfg, "layer_types", None) or []
-        self.has_sliding = "sliding_attention" in layer_types
+        self.has_sliding = "sliding_attention" in layer_kinds(cfg)
         if self.kernel == "flash_attention_2" and self.has_sliding:
             raise UsageError("flash_attention_2 cannot take the per-head sliding-window masks eviction needs; use sdpa")
         # queries the policy's attention covers: 0 = every query since each slot's entry

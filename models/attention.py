@@ -6,12 +6,15 @@ The eager kernel of every supported family computes, for query head h reading KV
     logits = (q_rot . k_rot) * scaling
     logits = softcap * tanh(logits / softcap)        only where the family's kernel call passes a cap (Gemma2)
     probs  = softmax(logits over the keys the query may see)
+    probs  = softmax([logits, sink[h]])[:-1]          instead, where the kernel call passes learned sinks (gpt-oss)
 
-where ``q_rot``, ``k_rot`` are the query and key after RoPE. `rotate` applies RoPE with the attention module's own
-``apply_rotary_pos_emb`` and the ``(cos, sin)`` the module receives from the model's rotary embedding, so no
-family's rotation is rewritten here. Which keys a query sees is a boolean ``visible`` mask, built either from
-absolute positions (`visible_by_position`: causal, sliding window, -1 = padding) or from the mask the module itself
-received (`visible_from_module_mask`).
+where ``q_rot``, ``k_rot`` are the query and key after RoPE; a sink is one more logit per query head that takes its
+share of the softmax and adds no value, so a row sums to less than 1 (`models.families.Family` says which families'
+kernels cap or sink). `rotate` applies RoPE with the attention module's own ``apply_rotary_pos_emb`` and the
+``(cos, sin)`` the module receives from the model's rotary embedding, so no family's rotation is rewritten here.
+Which keys a query sees is a boolean ``visible`` mask, built either from absolute positions (`visible_by_position`:
+causal, sliding window, -1 = padding) or from the mask the module itself received (`visible_from_module_mask`); which
+layers slide, and over how many keys, follows the config (`layer_kinds`) as transformers' mask builders do.
 
 Axis order: queries ``[batch, q_head, query, d_head]``, keys ``[batch, kv_head, key, d_head]``, logits and
 probabilities ``[batch, q_head, query, key]`` (the layout of the eager kernel's ``attn_weights``). Computation is in
@@ -22,63 +25,53 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from core.errors import unknown_choice
+from models.families import family_of
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
-class AttentionRule:
-    """How a family's attention module is configured, where transformers' attributes do not say it alone."""
-
-    # The kernel call passes ``softcap=module.attn_logit_softcapping`` (Gemma2). Gemma3 keeps the attribute but never
-    # passes it, so reading the attribute alone would cap logits the model does not cap.
-    softcap: bool = False
-    # Every layer slides over ``config.sliding_window`` through the mask alone; the module holds no window (Mistral).
-    window_from_config: bool = False
-
-
-ATTENTION_RULES: dict[str, AttentionRule] = {
-    "llama": AttentionRule(),
-    "mistral": AttentionRule(window_from_config=True),
-    "qwen2": AttentionRule(),
-    "qwen3": AttentionRule(),
-    "gemma2": AttentionRule(softcap=True),
-    "gemma3_text": AttentionRule(),
-}
-
-
-@dataclass(frozen=True)
 class LayerSpec:
-    """What one layer's attention does, read from its attention module."""
+    """What one layer's attention does, read from its attention module and the model's config."""
 
     index: int
-    kind: str  # config.layer_types entry ("full_attention", "sliding_attention")
+    kind: str  # "full_attention" or "sliding_attention" (`layer_kinds`)
     window: int | None  # a query at position p sees keys at p - window < s <= p; None = every earlier key
     scaling: float
     softcap: float | None
+    # learned per-query-head logits ``[q_head]`` that join every softmax as a key without a value (gpt-oss)
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's attention kind, as transformers builds its masks and caches: ``config.layer_types`` where the
+    config lists them, else every layer slides when the config has a ``sliding_window`` (Mistral, Phi-3) and none
+    does otherwise."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * config.num_hidden_layers
 
 
 def layer_spec(module: nn.Module, config, index: int) -> LayerSpec:
-    """The `LayerSpec` of attention module `module`, layer `index` of a model with `config`."""
-    if config.model_type not in ATTENTION_RULES:
-        raise unknown_choice("model family for attention", config.model_type, ATTENTION_RULES)
-    rule = ATTENTION_RULES[config.model_type]
-    window = getattr(config if rule.window_from_config else module, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None)
-    kind = kinds[index] if kinds else (SLIDING_ATTENTION if window is not None else FULL_ATTENTION)
+    """The `LayerSpec` of attention module `module`, layer `index` of a model with `config`; a model family
+    kvscope has no record of (`models.families`) is a `UsageError` naming the known ones."""
+    family = family_of(config)
+    kind = layer_kinds(config)[index]
     return LayerSpec(
         index=index,
         kind=kind,
-        window=window,
+        window=config.sliding_window if kind == SLIDING_ATTENTION else None,
         scaling=float(module.scaling),
-        softcap=getattr(module, "attn_logit_softcapping", None) if rule.softcap else None,
+        softcap=getattr(module, "attn_logit_softcapping", None) if family.softcap else None,
+        sinks=module.sinks.detach() if family.sinks else None,
     )
 
 
@@ -177,10 +170,17 @@ def attention_probabilities(
     *,
     scaling: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention probabilities ``[b, q_head, Q, S]`` (see `attention_logits`); rows that see no key are zero."""
-    probs = torch.softmax(attention_logits(queries, keys, scaling=scaling, softcap=softcap, visible=visible), dim=-1)
+    """Attention probabilities ``[b, q_head, Q, S]`` (see `attention_logits`); rows that see no key are zero. With
+    `sinks` ``[q_head]``, each head's sink logit joins the softmax of its every row and its share is dropped."""
+    logits = attention_logits(queries, keys, scaling=scaling, softcap=softcap, visible=visible)
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     if visible is None:
         return probs
     b, n_q, n_queries, n_keys = probs.shape

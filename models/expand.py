@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from core.errors import UsageError
-
-if TYPE_CHECKING:
-    from models.loading import LoadedModel
+from models.lm import LoadedModel
 
 
 def expand_kv_heads(model: nn.Module) -> nn.Module:

@@ -20,8 +20,9 @@ Names (shapes are those of the captured tensors):
   under any kernel. They equal the eager kernel's ``attn_weights``, except that a query that sees no key (a padding
   row) reads zeros. Each forward has its own key axis, so a capture of several forwards is read with ``calls``.
 
-One declarative table per model family maps each projection name to a module path and the layout of that module's
-output (`models.attention.ATTENTION_RULES` holds the family's attention facts). The cache hooks (and the keys of
+Each projection hook reads a module of the decoder layer, by the model's own module path: ``self_attn.q_proj`` (and
+``k_proj``, ``v_proj``) unless the family's record (`models.families.Family.projections`) names another one (the
+QK-norm, a slice of a fused ``qkv_proj``) and the layout of its output. The cache hooks (and the keys of
 ``hook_pattern``) are recorded by wrapping, for the duration of the context only, the ``update`` method of the cache
 *instance* the attention layers receive; nothing is patched on a class or at import time.
 """
@@ -32,51 +33,13 @@ import contextlib
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from core.errors import UsageError, unknown_choice
+from core.errors import UsageError
 from models.attention import LayerSpec, attention_probabilities, layer_spec, rotate, visible_from_module_mask
-
-# Output layouts of the modules a hook reads. "flat": [b, pos, heads*d]; "bphd": [b, pos, heads, d];
-# "bhpd": [b, heads, pos, d]. Everything is returned as [b, heads, pos, d].
-FLAT, BPHD, BHPD = "flat", "bphd", "bhpd"
-
-
-@dataclass(frozen=True)
-class HookPoint:
-    module: str  # path relative to the decoder layer
-    layout: str = FLAT
-    heads: str = "kv"  # "q" or "kv": which head count reshapes a flat output
-
-
-_LLAMA_LIKE = {
-    "attn.hook_q": HookPoint("self_attn.q_proj", FLAT, "q"),
-    "attn.hook_k": HookPoint("self_attn.k_proj", FLAT, "kv"),
-    "attn.hook_v": HookPoint("self_attn.v_proj", FLAT, "kv"),
-}
-_QK_NORM_BPHD = {  # Qwen3: norms applied to [b, pos, h, d] before the transpose
-    "attn.hook_q": HookPoint("self_attn.q_norm", BPHD, "q"),
-    "attn.hook_k": HookPoint("self_attn.k_norm", BPHD, "kv"),
-    "attn.hook_v": HookPoint("self_attn.v_proj", FLAT, "kv"),
-}
-_QK_NORM_BHPD = {  # Gemma3: norms applied to [b, h, pos, d] after the transpose
-    "attn.hook_q": HookPoint("self_attn.q_norm", BHPD, "q"),
-    "attn.hook_k": HookPoint("self_attn.k_norm", BHPD, "kv"),
-    "attn.hook_v": HookPoint("self_attn.v_proj", FLAT, "kv"),
-}
-
-# model_type -> (path of the decoder-layer list, per-layer attention hook table)
-HOOK_TABLES: dict[str, tuple[str, dict[str, HookPoint]]] = {
-    "llama": ("model.layers", _LLAMA_LIKE),
-    "mistral": ("model.layers", _LLAMA_LIKE),
-    "qwen2": ("model.layers", _LLAMA_LIKE),
-    "qwen3": ("model.layers", _QK_NORM_BPHD),
-    "gemma2": ("model.layers", _LLAMA_LIKE),
-    "gemma3_text": ("model.layers", _QK_NORM_BHPD),
-}
+from models.families import HookPoint, family_of
 
 RESID_HOOKS = ("hook_resid_pre", "hook_resid_post")
 ATTN_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v")
@@ -96,15 +59,8 @@ def all_hook_names(model: nn.Module) -> list[str]:
     return [hook_name(layer, point) for layer in range(n_layers) for point in RESID_HOOKS + ATTN_HOOKS + DERIVED_HOOKS]
 
 
-def _family_table(model: nn.Module) -> tuple[str, dict[str, HookPoint]]:
-    model_type = model.config.model_type
-    if model_type not in HOOK_TABLES:
-        raise unknown_choice("model family for hooks", model_type, HOOK_TABLES)
-    return HOOK_TABLES[model_type]
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.get_submodule(_family_table(model)[0])
+    return model.get_submodule(family_of(model.config).layers)
 
 
 def layer_specs(model: nn.Module) -> list[LayerSpec]:
@@ -124,17 +80,8 @@ def parse_hook_name(model: nn.Module, name: str) -> tuple[int, str]:
     n_layers = model.config.num_hidden_layers
     if layer >= n_layers:
         raise UsageError(f"hook name {name!r} does not resolve: layer {layer} out of range 0..{n_layers - 1}")
-    _family_table(model)
+    family_of(model.config)
     return layer, point
-
-
-def _to_heads(tensor: torch.Tensor, point: HookPoint, n_heads: int) -> torch.Tensor:
-    if point.layout == FLAT:
-        b, pos, width = tensor.shape
-        return tensor.view(b, pos, n_heads, width // n_heads).transpose(1, 2)
-    if point.layout == BPHD:
-        return tensor.transpose(1, 2)
-    return tensor
 
 
 class Capture:
@@ -193,9 +140,8 @@ def capture(
         raise UsageError("capture needs at least one hook name")
     parsed = [(name, *parse_hook_name(model, name)) for name in names]
     layers = decoder_layers(model)
-    table = _family_table(model)[1]
+    table = family_of(model.config).hook_table()
     config = model.config
-    n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
     result = Capture()
 
     def emit(name: str, tensor: torch.Tensor) -> None:
@@ -227,19 +173,17 @@ def capture(
             elif point in DERIVED_HOOKS:
                 derived_wanted[layer][point] = name
             else:
-                spec = table[point]
-                module = block.get_submodule(spec.module)
-                heads = n_q if spec.heads == "q" else n_kv
-                handles.append(module.register_forward_hook(_projection_hook(name, spec, heads, emit)))
+                module = block.get_submodule(table[point].module)
+                handles.append(module.register_forward_hook(_projection_hook(name, table[point], config, emit)))
         for layer, wanted in cache_wanted.items():
             cache_listeners[layer].append(_cache_emitter(wanted, emit))
         for layer, wanted in derived_wanted.items():
             block = layers[layer]
             derived = _DerivedPoints(block.self_attn, layer_spec(block.self_attn, config, layer), wanted, emit)
             handles.append(block.self_attn.register_forward_pre_hook(derived.before, with_kwargs=True))
-            for point, heads, store in (("attn.hook_q", n_q, derived.query), ("attn.hook_k", n_kv, derived.key)):
+            for point, store in (("attn.hook_q", derived.query), ("attn.hook_k", derived.key)):
                 module = block.get_submodule(table[point].module)
-                handles.append(module.register_forward_hook(_projection_hook(point, table[point], heads, store)))
+                handles.append(module.register_forward_hook(_projection_hook(point, table[point], config, store)))
             handles.append(block.self_attn.register_forward_hook(derived.after))
             if "attn.hook_pattern" in wanted:
                 cache_listeners[layer].append(derived.attended)
@@ -270,9 +214,9 @@ def _resid_post_hook(name, emit):
     return hook
 
 
-def _projection_hook(name, spec, heads, emit):
+def _projection_hook(name: str, point: HookPoint, config, emit):
     def hook(module, args, output):
-        emit(name, _to_heads(output, spec, heads))
+        emit(name, point.read(output, config))
 
     return hook
 
@@ -353,6 +297,6 @@ class _DerivedPoints:
             keys = rot_k if self.attended_keys is None else self.attended_keys  # [b, kv_head, key_pos, d_head]
             visible = visible_from_module_mask(self.mask, rot_q.shape[2], keys.shape[2], self.spec.window, rot_q.device)
             pattern = attention_probabilities(rot_q, keys, scaling=self.spec.scaling, softcap=self.spec.softcap,
-                                              visible=visible)  # [b, q_head, query_pos, key_pos]
+                                              sinks=self.spec.sinks, visible=visible)  # [b, q_head, query_pos, key_pos]
             self.emit(self.wanted["attn.hook_pattern"], pattern)
         self._clear()

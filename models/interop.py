@@ -6,11 +6,12 @@ that what they save equals what `models.hooks.capture` records:
 - nnsight (`nnsight_model`, `nnsight_capture`): `TransformersModel` wraps ``lm.model`` itself and leaves it
   unchanged outside a trace. Layer inputs/outputs and projection outputs are module envoys; the cache hooks are the
   arguments of the ``cache.update`` call inside the attention forward, reached through nnsight's ``.source`` view.
-  nnsight requires a trace to request values in execution order, which `_STAGE` spells out per family.
+  nnsight requires a trace to request values in execution order, which the family's record gives
+  (`models.families.Family.interop_order`). A module that several hooks read (a fused ``qkv_proj``) is saved once.
 - TransformerLens (`transformer_lens_bridge`, `transformer_lens_read`): the v3 `TransformerBridge` over a *copy* of
   the model, because booting it replaces the model's submodules in place and switches it to eager attention.
-  `TL_POINTS` maps each canonical point to the bridge's hook and layout (QK-norm families expose the normed
-  projections as ``hook_q_normed`` / ``hook_k_normed``; the post-RoPE key is ``hook_rot_k``).
+  `Family.interop_points` maps each canonical point to the bridge's hook and layout (QK-norm families expose the
+  normed projections as ``hook_q_normed`` / ``hook_k_normed``; the post-RoPE key is ``hook_rot_k``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import tempfile
 
 import torch
 
-from models.hooks import BHPD, BPHD, HOOK_TABLES, HookPoint, _to_heads, parse_hook_name
-from models.loading import LoadedModel
-
-QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
+from core.errors import UsageError
+from models.families import family_of
+from models.hooks import parse_hook_name
+from models.lm import LoadedModel
 
 
 def nnsight_model(lm: LoadedModel):
@@ -39,12 +40,6 @@ def _envoy(root, path: str):
                             path.split("."), root)
 
 
-# Where each point falls in a decoder layer's forward; nnsight must be asked for values in this order.
-_STAGE = {"hook_resid_pre": 0, "attn.hook_q": 1, "attn.hook_k": 2, "attn.hook_v": 3, "attn.hook_cache_k": 4,
-          "attn.hook_cache_v": 4, "hook_resid_post": 5}
-_STAGE_OVERRIDES = {"gemma3_text": {"attn.hook_v": 0.5}}  # v_proj runs before q_norm / k_norm
-
-
 def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) -> dict[str, torch.Tensor]:
     """The tensors at canonical hooks `names` for one forward of `input_ids`, saved by nnsight, in kvscope's layout.
 
@@ -53,8 +48,9 @@ def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) 
     """
     model = nn_model._module
     config = model.config
-    layers_path, table = HOOK_TABLES[config.model_type]
-    stage = {**_STAGE, **_STAGE_OVERRIDES.get(config.model_type, {})}
+    family = family_of(config)
+    table = family.hook_table()
+    stage = family.interop_order()
     requests = sorted(((*parse_hook_name(model, name), name) for name in dict.fromkeys(names)),
                       key=lambda r: (r[0], stage[r[1]]))
     cache = forward_kwargs.get("cache")
@@ -65,7 +61,7 @@ def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) 
         )
     saved = {}
     with torch.no_grad(), nn_model.trace(input_ids, **forward_kwargs):
-        blocks = _envoy(nn_model, layers_path)
+        blocks = _envoy(nn_model, family.layers)
         # Source-level call sites are looked up before the forward reaches them (a lookup made while the attention
         # forward is already paused at a later projection raises OutOfOrderError).
         cache_calls = {layer: blocks[layer].self_attn.source.cache_update_0
@@ -80,7 +76,9 @@ def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) 
                 if key not in saved:
                     saved[key] = cache_calls[layer].inputs.save()
             else:
-                saved[name] = _envoy(blocks[layer], table[point].module).output.save()
+                key = ("module", layer, table[point].module)  # a fused projection serves several points
+                if key not in saved:
+                    saved[key] = _envoy(blocks[layer], table[point].module).output.save()
     result = {}
     for layer, point, name in requests:
         if point == "hook_resid_post":
@@ -92,24 +90,8 @@ def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) 
             args, _ = saved[("cache_update", layer)]
             result[name] = args[0] if point.endswith("k") else args[1]
         else:
-            spec = table[point]
-            heads = config.num_attention_heads if spec.heads == "q" else config.num_key_value_heads
-            result[name] = _to_heads(saved[name], spec, heads)
+            result[name] = table[point].read(saved[("module", layer, table[point].module)], config)
     return result
-
-
-def tl_points(model_type: str) -> dict[str, HookPoint]:
-    """Canonical point -> (TransformerLens bridge hook, its layout); the bridge names live under ``blocks.{l}.``."""
-    qk_norm = model_type in QK_NORM_FAMILIES
-    return {
-        "hook_resid_pre": HookPoint("hook_resid_pre"),
-        "hook_resid_post": HookPoint("hook_resid_post"),
-        "attn.hook_q": HookPoint("attn.hook_q_normed", BHPD, "q") if qk_norm else HookPoint("attn.hook_q", BPHD, "q"),
-        "attn.hook_k": HookPoint("attn.hook_k_normed", BHPD) if qk_norm else HookPoint("attn.hook_k", BPHD),
-        "attn.hook_v": HookPoint("attn.hook_v", BPHD),
-        "attn.hook_cache_k": HookPoint("attn.hook_rot_k", BPHD),
-        "attn.hook_cache_v": HookPoint("attn.hook_v", BPHD),
-    }
 
 
 def transformer_lens_bridge(lm: LoadedModel):
@@ -136,9 +118,10 @@ def transformer_lens_read(activations, name: str, model) -> torch.Tensor:
     """Canonical hook `name` of `model` read from a bridge `ActivationCache` (``bridge.run_with_cache``), in kvscope's
     layout."""
     layer, point = parse_hook_name(model, name)
-    config = model.config
-    spec = tl_points(config.model_type)[point]
+    spec = family_of(model.config).interop_points()[point]
+    if spec is None:
+        raise UsageError(f"the TransformerLens bridge of a {model.config.model_type} model exposes no hook for {point}")
     tensor = activations[f"blocks.{layer}.{spec.module}"]
     if "resid" in point:
         return tensor
-    return _to_heads(tensor, spec, config.num_attention_heads if spec.heads == "q" else config.num_key_value_heads)
+    return spec.read(tensor, model.config)

@@ -1,4 +1,5 @@
-"""Load a causal LM by registry name, local HF directory, `.gguf` file or hub id, with a converted-weights cache.
+"""Load a causal LM by registry name, local HF directory, `.gguf` file, hub id or ``tiny-<family>``
+(`models.tiny`), with a converted-weights cache; what it returns is a `models.lm.LoadedModel`.
 
 GGUF weights are dequantised once into a safetensors copy under `cache_root()/converted/<sha256>`; later loads
 read that copy (seconds instead of the 20-60 s dequantisation). The copy is written to a temporary directory and
@@ -12,72 +13,22 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.errors import UsageError, unknown_choice
 from models.expand import with_expanded_kv_heads
+from models.families import family_names
+from models.lm import LoadedModel
 from models.registry import DEFAULT_MODEL, REGISTRY, cache_root, sha256_file
+from models.tiny import tiny_model
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "flash_attention_2", "eager")
-
-
-@dataclass
-class LoadedModel:
-    """A model, its tokenizer, and where they came from."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    name: str
-    source: str
-    load_seconds: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def family(self) -> str:
-        return self.model.config.model_type
-
-    @property
-    def kernel(self) -> str:
-        return attention_kernel(self.model)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def describe(self) -> dict[str, Any]:
-        cfg = self.model.config
-        return {
-            "name": self.name,
-            "source": self.source,
-            "family": self.family,
-            "layers": cfg.num_hidden_layers,
-            "q_heads": cfg.num_attention_heads,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            "kernel": self.kernel,
-            "dtype": str(self.model.dtype),
-            "device": str(self.device),
-            **self.info,
-        }
-
-
-def attention_kernel(model: PreTrainedModel) -> str:
-    """The attention implementation the model's attention modules dispatch to on their next forward.
-
-    transformers looks `config._attn_implementation` up at every attention call, so this is what actually runs.
-    """
-    return model.config._attn_implementation
 
 
 def default_device() -> torch.device:
@@ -129,40 +80,48 @@ def load_model(
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = _resolve_dtype(dtype, device)
     kernel = choose_kernel(attn_implementation, device)
-    if name.startswith("tiny-"):  # random-init test models; lazy import: models.tiny imports this module
-        from models.tiny import tiny_model
+    # Unasked, SDPA is left to transformers, whose default it is: a class without it (Gemma2, gpt-oss) runs eager.
+    kernel = None if attn_implementation is None and kernel == "sdpa" else kernel
+    if name.startswith("tiny-"):  # random-init test models
         return tiny_model(name.removeprefix("tiny-"), attn_implementation=kernel, dtype=torch_dtype)
     if name in REGISTRY and REGISTRY[name].expands is not None:  # built on load from the entry it expands
         base = load_model(REGISTRY[name].expands, device=device, dtype=torch_dtype, attn_implementation=kernel)
         return with_expanded_kv_heads(base, name)
-    check_model_name(name)
     start = time.perf_counter()
+    directory, source, info = locate_weights(name)
+    model, tokenizer = _from_pretrained(directory, torch_dtype, kernel, name)
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, name, source, time.perf_counter() - start, info)
+
+
+def locate_weights(name: str) -> tuple[Path | str, str, dict[str, Any]]:
+    """``(directory, source, info)``: the HuggingFace directory (or hub id) `load_model` reads `name`'s weights from
+    (a registry name or a ``.gguf`` file: its converted safetensors copy, made now on first use), where they came from,
+    and what `LoadedModel.info` records. Other engines (vLLM) load the same directory. Random-init (``tiny-*``) and
+    expanded registry models are built in memory and have none."""
+    if name.startswith("tiny-") or name in REGISTRY and REGISTRY[name].expands is not None:
+        raise UsageError(f"model {name!r} is built in memory by kvscope and has no weights directory")
+    check_model_name(name)
     if name in REGISTRY:
         entry = REGISTRY[name]
         gguf = entry.locate_gguf()
         if not gguf.exists():
             raise UsageError(f"model {name!r}: weights file {gguf} is missing; reinstall with: {entry.install_hint()}")
         directory, digest = _converted_copy(gguf, expected_sha256=entry.sha256)
-        source, info = str(gguf), {"gguf_sha256": digest}
-    elif name.endswith(".gguf"):
+        return directory, str(gguf), {"gguf_sha256": digest}
+    if name.endswith(".gguf"):
         directory, digest = _converted_copy(Path(name).expanduser())
-        source, info = str(Path(name).expanduser()), {"gguf_sha256": digest}
-    elif Path(name).expanduser().is_dir():
-        directory, source, info = Path(name).expanduser(), str(Path(name).expanduser()), {}
-    else:
-        directory, source, info = name, f"hub:{name}", {}
-    model, tokenizer = _from_pretrained(directory, torch_dtype, kernel, name)
-    model.to(device).eval()
-    return LoadedModel(model, tokenizer, name, source, time.perf_counter() - start, info)
+        return directory, str(Path(name).expanduser()), {"gguf_sha256": digest}
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser(), str(Path(name).expanduser()), {}
+    return name, f"hub:{name}", {}
 
 
 def check_model_name(name: str) -> None:
     """Refuse a name `load_model` could never load, without loading anything: registry names, ``tiny-<family>``, a
     local HuggingFace directory, an existing ``.gguf`` file and hub ids (org/name, whose existence shows on load)."""
-    from models.tiny import TINY_FAMILIES  # lazy: models.tiny imports this module
-
     path = Path(name).expanduser()
-    if name in REGISTRY or name.startswith("tiny-") and name.removeprefix("tiny-") in TINY_FAMILIES:
+    if name in REGISTRY or name.startswith("tiny-") and name.removeprefix("tiny-") in family_names():
         return
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -177,7 +136,7 @@ def check_model_name(name: str) -> None:
             f"model path {name!r} is not an existing HF model directory or .gguf file (hub ids look like org/name)"
         )
     if "/" not in name:
-        choices = sorted(REGISTRY) + [f"tiny-{family}" for family in TINY_FAMILIES]
+        choices = sorted(REGISTRY) + [f"tiny-{family}" for family in family_names()]
         raise unknown_choice("model", name, choices + ["<local HF dir>", "<file.gguf>", "<hub org/name>"])
 
 

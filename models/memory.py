@@ -58,7 +58,8 @@ from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_gu
 from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from models.hooks import decoder_layers
-from models.loading import LoadedModel, attention_kernel, load_model
+from models.lm import LoadedModel, attention_kernel
+from models.loading import load_model
 
 MB = 2**20
 

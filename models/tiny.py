@@ -1,8 +1,10 @@
-"""Random-init tiny models (Llama-, Qwen3- and Gemma3-style) built in-process for tests: no downloads, ever.
+"""Random-init tiny models of every model family (`models.families`), built in-process for tests: no downloads, ever.
 
-Each family keeps the structural features kvscope must handle: grouped-query attention (more query than KV
-heads), QK-norm (Qwen3, Gemma3) and mixed sliding-window / full layers (Gemma3). The tokenizer is a byte-level
-BPE with no merges plus chat special tokens, so any text round-trips and chat templates work.
+Each is built from its family's own transformers config class, with the shared small sizes below and the fields its
+record sets, so each keeps the structural features kvscope must handle: grouped-query attention (more query than KV
+heads) everywhere, QK-norm (Qwen3, Gemma3, OLMo2), sliding-window layers (Mistral, Gemma2, Gemma3, gpt-oss), a fused
+QKV projection (Phi-3), learned attention sinks (gpt-oss), mixtures of experts (Qwen3-MoE, gpt-oss). The tokenizer
+is a byte-level BPE with no merges plus chat special tokens, so any text round-trips and chat templates work.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from core.errors import unknown_choice
-from models.loading import LoadedModel, choose_kernel
+from models.families import family_named
+from models.lm import LoadedModel
 
-TINY_FAMILIES = ("llama", "qwen3", "gemma3")
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<think>", "</think>")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
@@ -40,40 +41,28 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(family: str = "llama", **overrides):
-    """A small config of `family`; `overrides` replace any field (e.g. num_hidden_layers=6)."""
+    """A small config of `family` (a tiny name, `models.families.family_names`); `overrides` replace any field
+    (e.g. num_hidden_layers=6; families whose config derives its layer types from the depth derive them again)."""
+    record = family_named(family)
     vocab = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
     common = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, pad_token_id=vocab - 7,
         bos_token_id=vocab - 6, eos_token_id=vocab - 5, tie_word_embeddings=True,
     )
-    if family == "llama":
-        config = LlamaConfig(**{**common, **overrides})
-    elif family == "qwen3":
-        config = Qwen3Config(**{**common, "attention_bias": False, **overrides})
-    elif family == "gemma3":
-        fields = {**common, "sliding_window": 16, "query_pre_attn_scalar": 16,
-                  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}
-        fields.update(overrides)
-        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
-            n = overrides["num_hidden_layers"]
-            fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
-        config = Gemma3TextConfig(**fields)
-    else:
-        raise unknown_choice("tiny model family", family, TINY_FAMILIES)
-    return config
+    return record.config_class(**{**common, **record.tiny, **overrides})
 
 
 def tiny_model(
     family: str = "llama", *, seed: int = 0, attn_implementation: str | None = None, dtype=torch.float32, **overrides
 ) -> LoadedModel:
-    """A random-init tiny model of `family`, deterministic for a given `seed`."""
+    """A random-init tiny model of `family`, deterministic for a given `seed`, on the CPU. Without
+    `attn_implementation` it runs transformers' default kernel for its class: SDPA, or eager where the class has no
+    SDPA path (Gemma2, gpt-oss)."""
     config = tiny_config(family, **overrides)
-    kernel = choose_kernel(attn_implementation, torch.device("cpu"))
-    config._attn_implementation = kernel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.eval()
     return LoadedModel(model, tiny_tokenizer(), f"tiny-{family}", f"random-init seed={seed}", 0.0, {"seed": seed})
 

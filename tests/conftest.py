@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-init models (every family) and the real SmolLM2 / Gemma3-270M, loaded once."""
+"""Shared fixtures: tiny random-init models (every family, and the three the integration tests run on) and the real
+SmolLM2 / Gemma3-270M, loaded once."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Two threads on an idle 2-core CI machine; KVSCOPE_TEST_THREADS=1 is much faster on a machine shared with other jobs.
 torch.set_num_threads(int(os.environ.get("KVSCOPE_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
+from models.families import family_names  # noqa: E402
 from models.loading import load_model  # noqa: E402
-from models.tiny import TINY_FAMILIES, save_tiny_model, tiny_model  # noqa: E402
+from models.tiny import save_tiny_model, tiny_model  # noqa: E402
+
+# The code paths of the stages branch on three structural features, which these span: grouped-query attention (Llama),
+# QK-norm (Qwen3) and mixed sliding-window / full layers (Gemma3). What differs between families beyond them (hook
+# modules, fused projections, sinks, soft caps, MoE) is checked on every family through `family_lm`.
+INTEGRATION_FAMILIES = ("llama", "qwen3", "gemma3")
 
 
-@pytest.fixture(scope="session", params=TINY_FAMILIES)
+@pytest.fixture(scope="session", params=INTEGRATION_FAMILIES)
 def tiny(request):
-    """A tiny model of each family (Llama, Qwen3, Gemma3 with sliding-window layers)."""
+    """A tiny model of each integration family (Llama, Qwen3, Gemma3 with sliding-window layers)."""
+    return tiny_model(request.param, seed=0)
+
+
+@pytest.fixture(scope="session", params=family_names())
+def family_lm(request):
+    """A tiny model of every family kvscope knows (`models.families`), for the tests of per-family facts."""
     return tiny_model(request.param, seed=0)
 
 

@@ -1,5 +1,6 @@
 """KV-head expansion: the expanded model has one KV head per query head and computes the same logits and greedy
-tokens, on the tiny models of every family (fast) and on the registered SmolLM2 expansion (a real prompt)."""
+tokens, on the tiny models of every family whose attention it can expand exactly (fast; the others are refused) and
+on the registered SmolLM2 expansion (a real prompt)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from core.errors import UsageError
 from models.expand import expand_kv_heads
+from models.hooks import decoder_layers
 from models.loading import load_model
 from models.tiny import tiny_model
 
@@ -29,17 +31,29 @@ def _greedy(model: nn.Module, ids: torch.Tensor, tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_tiny_expansion_keeps_logits_and_greedy_tokens(tiny):
-    original = tiny.model
+def test_tiny_expansion_keeps_logits_and_greedy_tokens_or_is_refused(family_lm):
+    """A fused QKV projection (Phi-3) or a key norm over every KV head at once (OLMo2) cannot be split per head:
+    refused, with the reason, and nothing changed; every other family expands exactly."""
+    original = family_lm.model
+    attention = decoder_layers(original)[0].self_attn
+    k_norm = getattr(attention, "k_norm", None)
+    refusal = ("separate k_proj and v_proj" if not hasattr(attention, "k_proj") else
+               "key norm spans 32 features" if k_norm is not None and k_norm.weight.numel() != attention.head_dim
+               else None)
+    if refusal is not None:
+        with pytest.raises(UsageError, match=refusal):
+            expand_kv_heads(original)
+        assert original.config.num_key_value_heads == 2
+        return
     expanded = expand_kv_heads(copy.deepcopy(original))
     cfg = expanded.config
     assert original.config.num_key_value_heads == 2 and cfg.num_key_value_heads == cfg.num_attention_heads == 4
-    attention = expanded.model.layers[0].self_attn
+    attention = decoder_layers(expanded)[0].self_attn
     assert attention.k_proj.weight.shape == (4 * attention.head_dim, cfg.hidden_size)
     # key head j of the original is now heads 2j and 2j + 1 (the query heads of its group)
-    kv_rows = original.model.layers[0].self_attn.k_proj.weight.unflatten(0, (2, -1))
+    kv_rows = decoder_layers(original)[0].self_attn.k_proj.weight.unflatten(0, (2, -1))
     assert torch.equal(attention.k_proj.weight.unflatten(0, (4, -1)), kv_rows.repeat_interleave(2, dim=0))
-    # 40 tokens: past the tiny Gemma3's 16-token sliding window, so both kinds of layer are exercised
+    # 40 tokens: past the tiny models' 16-token sliding windows, so both kinds of layer are exercised
     ids = torch.randint(0, cfg.vocab_size - 10, (2, 40), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_logits(expanded, ids), _logits(original, ids), rtol=0, atol=1e-5)
     with torch.inference_mode():

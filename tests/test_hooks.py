@@ -1,4 +1,5 @@
-"""Canonical hooks (models/hooks.py) checked against independent computations, on every family and both real models.
+"""Canonical hooks (models/hooks.py) checked against independent computations, on the tiny model of every family
+(`models.families`) and both real models.
 
 Each capture runs a prefill of PROMPT tokens followed by DECODE single-token steps on a DynamicCache, so every check
 covers both phases (the capture concatenates the calls along the position axis).
@@ -7,6 +8,7 @@ covers both phases (the capture concatenates the calls along the position axis).
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import DynamicCache
 
 from core.errors import UsageError
 from models.attention import attention_probabilities
+from models.families import family_names
 from models.hooks import (
     ATTN_HOOKS,
     DERIVED_HOOKS,
@@ -27,8 +30,8 @@ from models.hooks import (
 )
 from models.tiny import tiny_model
 
-PROMPT, DECODE = 12, 3  # tiny Gemma3's sliding window (16) still holds all 15 positions
-MODELS = ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "smollm2", "gemma3_270m"]
+PROMPT, DECODE = 12, 3  # the tiny models' sliding windows (16) still hold all 15 positions
+MODELS = [f"tiny-{family}" for family in family_names()] + ["smollm2", "gemma3_270m"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -142,10 +145,9 @@ def test_pre_rope_keys_rotated_equal_cache_keys(traced):
     for layer in layers:
         keys = cap[hook_name(layer, "attn.hook_k")]  # [batch, kv_head, pos, d_head]
         assert keys.shape == (1, model.config.num_key_value_heads, PROMPT + DECODE, keys.shape[-1])
-        if model.config.model_type == "gemma3_text":
-            cos, sin = model.model.rotary_emb(keys, positions, model.config.layer_types[layer])
-        else:
-            cos, sin = model.model.rotary_emb(keys, positions)
+        by_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters  # one RoPE per kind
+        kind = (model.config.layer_types[layer],) if by_type else ()
+        cos, sin = model.model.rotary_emb(keys, positions, *kind)
         queries, rotated = modeling.apply_rotary_pos_emb(cap[hook_name(layer, "attn.hook_q")], keys, cos, sin)
         torch.testing.assert_close(rotated, cap[hook_name(layer, "attn.hook_cache_k")], rtol=0, atol=_atol(lm))
         torch.testing.assert_close(cap[hook_name(layer, "attn.hook_rot_k")], cap[hook_name(layer, "attn.hook_cache_k")],
@@ -157,7 +159,9 @@ def test_pre_rope_keys_rotated_equal_cache_keys(traced):
 
 
 def test_projections_recomputed_from_resid_pre(traced):
-    """hook_q|k|v equal the layer's own projections (and QK-norms) applied to its normed input, prefill and decode."""
+    """hook_q|k|v equal the layer's own projections (and QK-norms) applied to its normed input, prefill and decode,
+    recomputed from the modules the layer has: a pre-attention norm or none (OLMo2 normalises after attention), separate
+    or fused (Phi-3) projections, a QK-norm over one head's features or over the whole projection (OLMo2)."""
     lm, cap, _, _, _ = traced
     model = lm.model
     config = model.config
@@ -165,13 +169,19 @@ def test_projections_recomputed_from_resid_pre(traced):
     names = [hook_name(layer, p) for p in ("hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v")]
     block = decoder_layers(model)[layer]
     attn = block.self_attn
+    n_q, n_kv, d_head = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
     with torch.no_grad():
-        x = block.input_layernorm(cap[names[0]])
+        x = block.input_layernorm(cap[names[0]]) if hasattr(block, "input_layernorm") else cap[names[0]]
+        if hasattr(attn, "qkv_proj"):
+            q, k, v = attn.qkv_proj(x).split([n_q * d_head, n_kv * d_head, n_kv * d_head], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        whole = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() == n_q * d_head
+        if whole:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         b, pos, _ = x.shape
-        q = attn.q_proj(x).view(b, pos, config.num_attention_heads, -1).transpose(1, 2)
-        k = attn.k_proj(x).view(b, pos, config.num_key_value_heads, -1).transpose(1, 2)
-        v = attn.v_proj(x).view(b, pos, config.num_key_value_heads, -1).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
+        q, k, v = (t.view(b, pos, heads, d_head).transpose(1, 2) for t, heads in ((q, n_q), (k, n_kv), (v, n_kv)))
+        if hasattr(attn, "q_norm") and not whole:
             q, k = attn.q_norm(q), attn.k_norm(k)
     for name, expected in zip(names[1:], (q, k, v)):
         assert cap[name].shape == expected.shape, name
@@ -193,11 +203,17 @@ def _patterns(model, names: list[str], forwards: list[dict], kernel: str):
     return cap
 
 
+def _needs_kernel(model, kernel: str) -> None:
+    if kernel == "sdpa" and not type(model)._supports_sdpa:
+        pytest.skip(f"transformers runs {type(model).__name__} on no SDPA kernel")
+
+
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
 def test_pattern_equals_the_eager_kernels_weights(lm, kernel):
     """hook_pattern, recomputed under either kernel, equals the weights the eager kernel returns, in the prefill and
-    in decode steps; 20 prompt tokens take tiny Gemma3 past its 16-token window, so its sliding layers drop keys."""
+    in decode steps; 20 prompt tokens take the tiny models past their 16-token windows, so sliding layers drop keys."""
     model = lm.model
+    _needs_kernel(model, kernel)
     ids = torch.randint(5, 200, (1, 20), generator=torch.Generator().manual_seed(1))
     forwards = [{"input_ids": ids}] + [{"input_ids": torch.tensor([[token]])} for token in (7, 11, 13)]
     layers = range(model.config.num_hidden_layers) if lm.name.startswith("tiny-") else _edge_layers(model)
@@ -210,15 +226,16 @@ def test_pattern_equals_the_eager_kernels_weights(lm, kernel):
             assert call.shape == weights[layer].shape and call.dtype == torch.float32
             torch.testing.assert_close(call, weights[layer], rtol=1e-5, atol=_atol(lm) / 10)
         key_counts.add(cap.calls(name)[-1].shape[-1])
-    if lm.name == "tiny-gemma3":
-        assert key_counts == {16, 23}  # sliding layers: the last 15 keys and the query's own; full layers: all
+    if lm.name.startswith("tiny-"):  # sliding layers: the last 15 keys and the query's own; full layers: all 23
+        assert key_counts == {23 if spec.window is None else spec.window for spec in layer_specs(model)}
 
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
-def test_pattern_of_a_left_padded_batch_equals_the_eager_weights(tiny, kernel):
+def test_pattern_of_a_left_padded_batch_equals_the_eager_weights(family_lm, kernel):
     """Two prompts, the shorter left-padded, then one decode step: the pattern follows the padding mask the layer
     received; the rows of real queries equal the eager weights and rows of padding queries are zero."""
-    model = tiny.model
+    model = family_lm.model
+    _needs_kernel(model, kernel)
     mask = torch.tensor([[1] * 20, [0] * 7 + [1] * 13])
     ids = torch.randint(5, 200, (2, 20), generator=torch.Generator().manual_seed(2)).masked_fill(mask == 0, 0)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -261,8 +278,25 @@ def test_pattern_applies_gemma2s_logit_softcap():
     assert (uncapped - weights[1]).abs().max() > 1e-3
 
 
-def test_capture_shapes_for_all_points(tiny):
-    model = tiny.model
+def test_pattern_adds_gpt_oss_learned_sinks():
+    """gpt-oss's kernel gives each query head's learned sink logit its share of every softmax: the pattern equals its
+    weights, its rows sum to less than 1, and the same recomputation without the sinks does not equal them."""
+    model = tiny_model("gpt_oss", seed=0).model
+    ids = torch.randint(5, 200, (1, 20), generator=torch.Generator().manual_seed(3))
+    names = [hook_name(1, point) for point in ("attn.hook_pattern", "attn.hook_rot_q", "attn.hook_rot_k")]
+    with torch.no_grad(), capture(model, names) as cap:
+        weights = model(ids, use_cache=False, output_attentions=True).attentions[1]
+    torch.testing.assert_close(cap[names[0]], weights, rtol=1e-5, atol=1e-6)
+    assert (cap[names[0]].sum(-1) < 1 - 1e-3).all()
+    spec = layer_specs(model)[1]
+    assert spec.sinks is not None and spec.sinks.shape == (model.config.num_attention_heads,)
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()[None, None]
+    unsunk = attention_probabilities(cap[names[1]], cap[names[2]], scaling=spec.scaling, visible=causal)
+    assert (unsunk - weights).abs().max() > 1e-3
+
+
+def test_capture_shapes_for_all_points(family_lm):
+    model = family_lm.model
     config = model.config
     cap, _, _, _ = _run(model, all_hook_names(model))
     total = PROMPT + DECODE
@@ -273,7 +307,7 @@ def test_capture_shapes_for_all_points(tiny):
         assert cap[hook_name(layer, "attn.hook_rot_q")].shape == (1, config.num_attention_heads, total, d_head)
         for point in ("attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v", "attn.hook_rot_k"):
             assert cap[hook_name(layer, point)].shape == (1, config.num_key_value_heads, total, d_head)
-        # one pattern per forward, over every key the layer attended to (tiny Gemma3's window holds all 15)
+        # one pattern per forward, over every key the layer attended to (a tiny model's window holds all 15)
         patterns = cap.calls(hook_name(layer, "attn.hook_pattern"))
         assert [p.shape for p in patterns] == [(1, config.num_attention_heads, PROMPT, PROMPT)] + [
             (1, config.num_attention_heads, 1, PROMPT + step + 1) for step in range(DECODE)]
@@ -294,8 +328,8 @@ def _hook_counts(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def test_hooks_removed_after_context(tiny):
-    model = tiny.model
+def test_hooks_removed_after_context(family_lm):
+    model = family_lm.model
     before = _hook_counts(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), capture(model, all_hook_names(model)):
@@ -352,7 +386,7 @@ def test_empty_name_list_and_missing_cache_raise_usage_error(tiny_llama):
     assert _hook_counts(tiny_llama.model) == before
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", family_names())
 def test_tiny_models_deterministic_per_seed(family):
     rng_before = torch.random.get_rng_state()
     a, b, c = (tiny_model(family, seed=s).model.state_dict() for s in (0, 0, 1))

@@ -1,4 +1,5 @@
-"""nnsight and TransformerLens see the same tensors as kvscope's canonical hooks (models/interop.py)."""
+"""nnsight and TransformerLens see the same tensors as kvscope's canonical hooks (models/interop.py), on the tiny model
+of every family."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from models.hooks import ATTN_HOOKS, RESID_HOOKS, capture, hook_name
+from core.errors import UsageError
+from models.families import family_of
+from models.hooks import ATTN_HOOKS, RESID_HOOKS, capture, hook_name, parse_hook_name
 from models.interop import nnsight_capture, nnsight_model, transformer_lens_bridge, transformer_lens_read
 
 pytest.importorskip("nnsight")
@@ -28,12 +31,12 @@ def _names(model):
     return [hook_name(layer, point) for layer in (0, last) for point in POINTS]
 
 
-def test_nnsight_prefill_matches_capture(tiny):
-    model = tiny.model
+def test_nnsight_prefill_matches_capture(family_lm):
+    model = family_lm.model
     ids = torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(1))
     names = _names(model)
     ours = _kvscope(model, names, ids, cache=DynamicCache(config=model.config), use_cache=True)
-    theirs_all = nnsight_capture(nnsight_model(tiny), names, ids, cache=DynamicCache(config=model.config),
+    theirs_all = nnsight_capture(nnsight_model(family_lm), names, ids, cache=DynamicCache(config=model.config),
                                  use_cache=True)
     for name in names:
         theirs = theirs_all[name]
@@ -92,16 +95,21 @@ def _tl_check(lm, ids, atol):
     with torch.no_grad():
         ref_logits = model(ids).logits
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=atol * 10)
+    exposed = family_of(model.config).interop_points()
     for name in names:
+        if exposed[parse_hook_name(model, name)[1]] is None:  # a point this family's bridge has no hook for
+            with pytest.raises(UsageError, match="exposes no hook"):
+                transformer_lens_read(activations, name, model)
+            continue
         theirs = transformer_lens_read(activations, name, model)
         assert theirs.shape == ours[name].shape, name
         scale = ours[name].abs().max().item()
         torch.testing.assert_close(theirs, ours[name], rtol=0, atol=atol * max(1.0, scale), msg=name)
 
 
-def test_transformer_lens_bridge_matches_capture(tiny):
+def test_transformer_lens_bridge_matches_capture(family_lm):
     ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
-    _tl_check(tiny, ids, atol=1e-5)
+    _tl_check(family_lm, ids, atol=1e-5)
 
 
 @pytest.mark.slow  # deep-copies the model and boots the bridge: 10-35 s on a shared 2-core machine

@@ -9,20 +9,21 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
+from transformers import LlamaConfig, MistralConfig
 
 from core.errors import UsageError
 from models.attention import (
     attention_logits,
     attention_probabilities,
     group_mean,
+    layer_kinds,
     layer_spec,
     visible_by_position,
     visible_from_module_mask,
 )
-from models.hooks import layer_specs
-from models.loading import LoadedModel
-from models.tiny import tiny_model, tiny_tokenizer
+from models.hooks import decoder_layers, layer_specs
+from models.lm import LoadedModel
+from models.tiny import tiny_model
 
 LOW = torch.finfo(torch.float32).min
 
@@ -39,20 +40,9 @@ def using_kernel(model, name: str):
 
 
 def tiny_gemma2(softcap: float | None = 50.0, seed: int = 0) -> LoadedModel:
-    """A random-init Gemma2 (soft-capped logits, alternating sliding / full layers) on the eager kernel, the only
-    one transformers runs Gemma2 with here."""
-    vocab = len(tiny_tokenizer())
-    config = Gemma2Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, max_position_embeddings=4096,
-        attn_logit_softcapping=softcap, pad_token_id=vocab - 7, bos_token_id=vocab - 6, eos_token_id=vocab - 5,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    return LoadedModel(model, tiny_tokenizer(), "tiny-gemma2", f"random-init seed={seed}", 0.0, {"seed": seed})
+    """The tiny Gemma2 (soft-capped logits, alternating sliding / full layers) with logit cap `softcap`; it runs on
+    the eager kernel, the only one transformers runs Gemma2 with."""
+    return tiny_model("gemma2", seed=seed, attn_logit_softcapping=softcap)
 
 
 # --- the recomputation by hand -----------------------------------------------------------------------------------
@@ -84,6 +74,19 @@ def test_softcap_and_masks_by_hand():
     # a query that sees nothing (padding) has a zero row, not NaN
     probs = attention_probabilities(queries, keys, scaling=1.0, visible=torch.zeros(1, 1, 1, 2, dtype=torch.bool))
     assert probs.abs().sum() == 0
+
+
+def test_learned_sinks_by_hand():
+    # keys 0 and ln 3 under q = 1, scaling 1, and a sink logit ln 4: the softmax over e^0, e^ln3, e^ln4 = 1, 3, 4 gives
+    # the keys 1/8 and 3/8 (the sink's 4/8 is dropped); a second head with sink -inf is the plain softmax [1/4, 3/4]
+    keys = torch.tensor([[[[0.0], [math.log(3)]]]])
+    queries = torch.tensor([[[[1.0]], [[1.0]]]])  # two query heads read the one KV head
+    sinks = torch.tensor([math.log(4), float("-inf")])
+    probs = attention_probabilities(queries, keys, scaling=1.0, sinks=sinks)
+    torch.testing.assert_close(probs[0, :, 0], torch.tensor([[1 / 8, 3 / 8], [1 / 4, 3 / 4]]))
+    # a query that sees no key still reads zeros, the sink taking the whole row
+    blind = attention_probabilities(queries, keys, scaling=1.0, sinks=sinks, visible=torch.zeros(1, 1, 1, 2).bool())
+    assert blind.abs().sum() == 0
 
 
 def test_visible_by_position_by_hand():
@@ -125,6 +128,25 @@ def test_layer_specs_read_scaling_windows_and_only_the_caps_the_kernel_applies()
     assert [s.window for s in layer_specs(tiny_model("llama").model)] == [None] * 4
 
 
+def test_layer_kinds_follow_the_config_as_transformers_does():
+    assert layer_kinds(LlamaConfig(num_hidden_layers=2)) == ["full_attention"] * 2
+    assert layer_kinds(MistralConfig(num_hidden_layers=2, sliding_window=8)) == ["sliding_attention"] * 2
+    assert layer_kinds(MistralConfig(num_hidden_layers=2, sliding_window=None)) == ["full_attention"] * 2
+    gemma2 = tiny_gemma2().config
+    assert layer_kinds(gemma2) == gemma2.layer_types == ["sliding_attention", "full_attention"] * 2
+
+
+def test_windows_from_the_config_are_those_of_the_modules_that_hold_one(family_lm):
+    """A layer's window is read from the config, as the mask builders read it; the attention modules that keep their
+    own (Gemma, gpt-oss, Qwen3) hold the same one, and a full layer has none."""
+    model = family_lm.model
+    specs = layer_specs(model)
+    assert [spec.kind for spec in specs] == list(getattr(model.config, "layer_types", None) or [s.kind for s in specs])
+    for spec, block in zip(specs, decoder_layers(model)):
+        own = getattr(block.self_attn, "sliding_window", spec.window)
+        assert spec.window == own and (spec.window is None) == (spec.kind == "full_attention")
+
+
 def test_mistral_window_comes_from_its_config_and_unknown_families_raise():
     config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            sliding_window=32)
@@ -133,5 +155,5 @@ def test_mistral_window_comes_from_its_config_and_unknown_families_raise():
     spec = layer_spec(module, config, 0)
     assert (spec.window, spec.kind, spec.softcap) == (32, "sliding_attention", None)
     config.model_type = "falcon"
-    with pytest.raises(UsageError, match="unknown model family for attention 'falcon'"):
+    with pytest.raises(UsageError, match="unknown model family 'falcon'; valid choices: gemma2, gemma3_text, gpt_oss"):
         layer_spec(module, config, 0)

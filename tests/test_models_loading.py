@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from core.errors import UsageError
 from models import loading
-from models.loading import load_model
+from models.families import family_names
+from models.loading import check_model_name, load_model
 from models.registry import REGISTRY, cache_root
+from models.tiny import save_tiny_model
 
 PROMPT = "The key-value cache stores"
 
@@ -141,3 +143,20 @@ def test_hub_id_offline_is_a_usage_error(monkeypatch):
 def test_bad_kernel_or_dtype(kwargs, fragment):
     with pytest.raises(UsageError, match=fragment):
         load_model("smollm2-135m", device="cpu", **kwargs)
+
+
+def test_the_default_kernel_is_sdpa_or_eager_where_the_class_has_no_sdpa(tmp_path):
+    """Unasked, a model runs SDPA, and a class transformers runs on no SDPA kernel (gpt-oss) runs eager, whether it is
+    built in memory (``tiny-<family>``) or read from a directory; asking for a kernel gets that kernel."""
+    save_tiny_model("gpt_oss", tmp_path / "gpt_oss")
+    assert load_model(str(tmp_path / "gpt_oss"), device="cpu").kernel == "eager"
+    assert load_model("tiny-gpt_oss").kernel == "eager"
+    assert load_model("tiny-llama").kernel == "sdpa"
+    assert load_model("tiny-llama", attn_implementation="eager").kernel == "eager"
+
+
+def test_every_tiny_family_is_a_model_name_and_an_unknown_one_is_refused():
+    for family in family_names():
+        check_model_name(f"tiny-{family}")
+    with pytest.raises(UsageError, match="unknown model 'tiny-falcon'.*tiny-gpt_oss"):
+        check_model_name("tiny-falcon")
