@@ -30,10 +30,11 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from tasks.generation import COMPACT_DEAD_RATIO, COMPACT_MIN_DEAD, has_sliding_layers
+from tasks.generation import compact_rows as _compact
+from tasks.generation import join_rows as _join
+
 LOOKUP_ORDERS = (3, 2, 1)
-# Compact the batch cache when its slots beyond the longest row's real ones exceed both this count and this ratio
-# of the real ones: gathering costs a copy of the cache, attending over dead slots costs every later step.
-COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO = 64, 1.0
 _SEPARATOR = -1  # joins lookup corpora; never a token id, so no n-gram spans two corpora and no draft crosses one
 
 
@@ -62,45 +63,6 @@ class NgramLookup:
                 proposal = self.seq[start:start + k]
                 return proposal[: proposal.index(_SEPARATOR)] if _SEPARATOR in proposal else proposal
         return []
-
-
-def has_sliding_layers(cache: DynamicCache) -> bool:
-    return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
-
-
-def _pad_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
-    """``[batch, kv_head, own slots, d_head]`` zero-padded on the right to `slots`."""
-    return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
-
-
-def _join(batch: DynamicCache | None, valid: torch.Tensor | None, caches: list[DynamicCache],
-          valids: list[list[bool]]) -> tuple[DynamicCache, torch.Tensor]:
-    """Append single-row caches (consumed) to the batch cache; every row is padded on the right to the longest, and
-    ``valid [rows, slots]`` marks the real slots (the caller masks the rest)."""
-    slots = max([len(v) for v in valids] + ([valid.shape[1]] if valid is not None else []))
-    device = caches[0].layers[0].keys.device
-    new_valid = torch.tensor([v + [False] * (slots - len(v)) for v in valids], dtype=torch.bool, device=device)
-    parts = ([batch] if batch is not None else []) + caches
-    joined = parts[0]
-    for index, layer in enumerate(joined.layers):
-        for name in ("keys", "values"):
-            setattr(layer, name, torch.cat([_pad_slots(getattr(c.layers[index], name), slots) for c in parts], dim=0))
-    if valid is not None:
-        new_valid = torch.cat([torch.nn.functional.pad(valid, (0, slots - valid.shape[1])), new_valid], dim=0)
-    return joined, new_valid
-
-
-def _compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
-    """Gather each row's real slots, in order, to the front of the cache and drop the slots no row uses; returns the
-    new ``valid``. Masked slots contribute nothing to attention, so this changes only the summation order."""
-    counts = valid.sum(1)
-    keep = int(counts.max())
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]  # real slots first
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)  # [rows, kv_head, slots, d_head]
-            setattr(layer, name, t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
-    return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
 
 
 class _Row:

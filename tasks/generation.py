@@ -10,11 +10,23 @@ as the Random Attention setting T = 0.6, top-p 0.95 is usually run). Draws come 
 Generation stops at any of `stop_token_ids` (the tokenizer's EOS, the model's generation-config EOS, and the chat
 end-of-turn tokens the vocabulary has) or after `max_new_tokens`. The model's own generation config (which may carry
 sampling defaults) is not used.
+
+`generate_batch` decodes many prompts together with continuous batching: up to ``batch_size`` rows share each
+decode forward, a finished row leaves the batch and the next prompt takes its place. Each prompt is prefilled alone
+into its own cache and then joins the batch cache, whose rows have different lengths: rows are padded on the right,
+``valid [rows, slots]`` marks each row's real slots, a 4D attention mask hides the rest and explicit position ids
+keep each row's positions contiguous (`join_rows`; `compact_rows` gathers the real slots to the front when padding
+outgrows them; the labeller's speculative engine shares both). Every row draws from its own generator seeded with its
+own seed, one draw per token as in `generate`, so a batched run reproduces the single-sequence one: greedy tokens are
+identical except where the top two logits are within the floating-point noise of a different summation order
+(padded, batched forwards), and sampled tokens likewise. Sliding-window layers index their window by slot, not
+position, so models with them decode one prompt at a time.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,16 +108,24 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
 
 @torch.no_grad()
 def generate(
-    lm, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    lm,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Generate a continuation of `prompt_ids` with `lm` (a `models.loading.LoadedModel`): one prompt forward,
-    then one forward per new token over a `DynamicCache`, each token chosen by `pick_tokens`."""
+    then one forward per new token over a `DynamicCache`, each token chosen by `pick_tokens`, until a token of
+    `stop_ids` (default `stop_token_ids`; kept) or `max_new_tokens`."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(temperature, top_p)
     model, tokenizer = lm.model, lm.tokenizer
     device = next(model.parameters()).device
-    stops = set(stop_token_ids(tokenizer, model))
+    stops = set(stop_token_ids(tokenizer, model) if stop_ids is None else stop_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = DynamicCache(config=model.config)
     generated: list[int] = []
@@ -131,3 +151,161 @@ def generate(
         prefill_s=first - start,
         decode_s=end - first,
     )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue and how its tokens are drawn (`pick_tokens`'s settings and the seed of its generator)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def has_sliding_layers(cache: DynamicCache) -> bool:
+    return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
+def _pad_slots(t: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[batch, kv_head, own slots, d_head]`` zero-padded on the right to `slots`."""
+    return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
+
+
+def join_rows(batch: DynamicCache | None, valid: torch.Tensor | None, caches: list[DynamicCache],
+              valids: list[list[bool]]) -> tuple[DynamicCache, torch.Tensor]:
+    """Append single-row caches (consumed) to the batch cache; every row is padded on the right to the longest, and
+    ``valid [rows, slots]`` marks the real slots (the caller masks the rest)."""
+    slots = max([len(v) for v in valids] + ([valid.shape[1]] if valid is not None else []))
+    device = caches[0].layers[0].keys.device
+    new_valid = torch.tensor([v + [False] * (slots - len(v)) for v in valids], dtype=torch.bool, device=device)
+    parts = ([batch] if batch is not None else []) + caches
+    joined = parts[0]
+    for index, layer in enumerate(joined.layers):
+        for name in ("keys", "values"):
+            setattr(layer, name, torch.cat([_pad_slots(getattr(c.layers[index], name), slots) for c in parts], dim=0))
+    if valid is not None:
+        new_valid = torch.cat([torch.nn.functional.pad(valid, (0, slots - valid.shape[1])), new_valid], dim=0)
+    return joined, new_valid
+
+
+def compact_rows(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Gather each row's real slots, in order, to the front of the cache and drop the slots no row uses; returns the
+    new ``valid``. Masked slots contribute nothing to attention, so this changes only the summation order."""
+    counts = valid.sum(1)
+    keep = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]  # real slots first
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [rows, kv_head, slots, d_head]
+            setattr(layer, name, t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
+    return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
+
+
+# Compact the batch cache when its slots beyond the longest row's real ones exceed both this count and this ratio of
+# the real ones: gathering costs a copy of the cache, attending over dead slots costs every later step.
+COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO = 64, 1.0
+
+
+class _Row:
+    def __init__(self, request: Request, device: torch.device):
+        self.request = request
+        self.generator = torch.Generator(device=device).manual_seed(request.seed)
+        self.out: list[int] = []
+        self.started = self.first = 0.0
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        return pick_tokens(logits, self.request.temperature, self.request.top_p, self.generator)
+
+    def result(self, tokenizer, stops: set[int]) -> GenerationResult:
+        return GenerationResult(
+            generated_ids=self.out,
+            text=tokenizer.decode(self.out, skip_special_tokens=True),
+            finish_reason="eos" if self.out[-1] in stops else "length",
+            prefill_s=self.first - self.started,
+            decode_s=time.perf_counter() - self.first,
+        )
+
+
+@torch.no_grad()
+def generate_batch(lm, requests: Sequence[Request], batch_size: int,
+                   stop_ids: Sequence[int] | None = None) -> Iterator[tuple[int, GenerationResult]]:
+    """Continue every request with `lm` (a `models.loading.LoadedModel`), up to `batch_size` rows decoding together;
+    yields ``(index into requests, result)`` as each finishes (not in request order).
+
+    `stop_ids` defaults to `stop_token_ids`; the stop token is kept. A row's ``prefill_s`` is its own prompt forward
+    and first token, its ``decode_s`` the wall time from then until it finished, while it shared the batch.
+    ``batch_size`` 1, and models with sliding-window layers, decode each request alone with `generate`'s loop.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for request in requests:
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        check_sampling(request.temperature, request.top_p)
+    model, tokenizer = lm.model, lm.tokenizer
+    device = next(model.parameters()).device
+    stops = set(stop_token_ids(tokenizer, model) if stop_ids is None else stop_ids)
+    if batch_size == 1 or has_sliding_layers(DynamicCache(config=model.config)):
+        for index, request in enumerate(requests):
+            yield index, generate(lm, list(request.prompt_ids), request.max_new_tokens, temperature=request.temperature,
+                                  top_p=request.top_p, seed=request.seed, stop_ids=sorted(stops))
+        return
+    rows = [_Row(request, device) for request in requests]
+    waiting = iter(range(len(rows)))
+    live: list[int] = []
+    cache: DynamicCache | None = None
+    valid: torch.Tensor | None = None  # [live, slots]: the slots each live row attends to
+    blocked = torch.finfo(model.dtype).min
+
+    def finished(row: _Row) -> bool:
+        return row.out[-1] in stops or len(row.out) >= row.request.max_new_tokens
+
+    while True:
+        joining, done = [], []
+        while len(live) + len(joining) < batch_size and (index := next(waiting, None)) is not None:
+            row = rows[index]
+            row.started = time.perf_counter()
+            own = DynamicCache(config=model.config)
+            prompt = torch.tensor([row.request.prompt_ids], dtype=torch.long, device=device)
+            logits = model(input_ids=prompt, cache=own, use_cache=True, logits_to_keep=1).logits
+            row.out.append(int(row.pick(logits[:, -1])))
+            row.first = time.perf_counter()
+            if finished(row):
+                done.append(index)
+            else:
+                joining.append((index, own))
+        for index in done:
+            yield index, rows[index].result(tokenizer, stops)
+        if joining:
+            cache, valid = join_rows(cache if live else None, valid if live else None, [c for _, c in joining],
+                                     [[True] * len(rows[i].request.prompt_ids) for i, _ in joining])
+            live += [index for index, _ in joining]
+        if not live:
+            return
+        longest = int(valid.sum(1).max())
+        if valid.shape[1] - longest > max(COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO * longest):
+            valid = compact_rows(cache, valid)
+        inputs = torch.tensor([[rows[index].out[-1]] for index in live], device=device)  # [live, 1]
+        positions = valid.sum(1, keepdim=True)  # each row's next position: the count of its real slots
+        allowed = torch.cat([valid, valid.new_ones(len(live), 1)], dim=1)[:, None, None, :]  # [live, 1, 1, slots + 1]
+        mask = torch.zeros(allowed.shape, dtype=model.dtype, device=device).masked_fill(~allowed, blocked)
+        logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask, cache=cache,
+                       use_cache=True).logits[:, -1]  # [live, vocab]
+        if all(rows[index].request.temperature == 0 for index in live):
+            tokens = pick_tokens(logits).tolist()
+        else:
+            tokens = [int(rows[index].pick(logits[i:i + 1])) for i, index in enumerate(live)]
+        for index, token in zip(live, tokens):
+            rows[index].out.append(token)
+        valid = torch.cat([valid, valid.new_ones(len(live), 1)], dim=1)
+        keep = [i for i, index in enumerate(live) if not finished(rows[index])]
+        for i in sorted(set(range(len(live))) - set(keep)):
+            yield live[i], rows[live[i]].result(tokenizer, stops)
+        if len(keep) < len(live):
+            live = [live[i] for i in keep]
+            if keep:
+                selected = torch.tensor(keep, device=device)
+                cache.batch_select_indices(selected)
+                valid = valid[selected]

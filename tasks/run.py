@@ -4,17 +4,25 @@ The library is `GenerationConfig` plus `generate_traces` (a loaded model and pro
 records out, one per problem as it finishes) and `summarize`; the CLI claims ``--out`` (default
 ``runs/<dataset>-<model>``) with a `core.rundir.RunDir` and writes there:
 
-- ``generations.jsonl``: one trace record per problem (`core.schemas.Trace`, ``policy`` "full"), appended as soon
-  as it is graded;
+- ``generations.jsonl``: one trace record per problem (`core.schemas.Trace`, ``policy`` "full", and ``engine``: the
+  engine's name, version and batch size), appended in problem order as soon as it and every earlier problem are
+  graded;
 - ``summary.json``: accuracy and counts over the requested problems;
 - ``config.json``: the resolved configuration, with the identity a resumed run must match.
+
+``--engine hf`` (the default) decodes with kvscope's own loop on transformers, ``--batch-size N`` problems together
+by continuous batching (`tasks.generation.generate_batch`: greedy tokens equal single-sequence decoding's except at
+exact near-ties of the top two logits); ``--engine vllm`` hands every problem to vLLM at once (`tasks.engines`), at
+most ``--batch-size`` sequences per step. vLLM's greedy tokens need not equal HF's, so the engine is part of a run's
+identity; the batch size is not.
 
 Rerunning the same command after an interruption skips the problems already in ``generations.jsonl`` and continues;
 a directory holding a run with other generation settings is refused, naming them, rather than mixed.
 
-``--backend ray --workers N`` spreads the problems over N Ray workers (`core.backend`), here or on a cluster; the unit
-of work is one problem (a generation takes seconds, far more than handing a unit out, and single problems keep the
-workers evenly loaded), and the records are those of a serial run, in the same order.
+``--backend ray --workers N`` spreads the problems over N Ray workers (`core.backend`), here or on a cluster (HF
+only: vLLM batches on its own); the unit of work is ``--batch-size`` problems (one by default: a generation takes
+seconds, far more than handing a unit out, and single problems keep the workers evenly loaded), and the records are
+those of a serial run, in the same order.
 """
 
 from __future__ import annotations
@@ -36,15 +44,19 @@ from core.cli import (
     main_guard,
     non_negative_float,
     positive_int,
+    seed_int,
     unit_interval,
     write_json,
 )
 from core.errors import UsageError
+from core.limits import ModelLimits
 from core.rundir import RunDir
 from core.schemas import Trace
 from core.seeds import derive_seed
 from models.registry import DEFAULT_MODEL, REGISTRY
+from tasks import ruler
 from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
+from tasks.engines import ENGINES, check_engine
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,8 @@ class GenerationConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None: cuda when available
     problem_ids: tuple[str, ...] | None = None  # only these of the first `limit` problems (None: all of them)
+    engine: str = "hf"  # tasks.engines.ENGINES
+    batch_size: int = 1  # sequences decoded together
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> GenerationConfig:
@@ -74,8 +88,9 @@ class GenerationConfig:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
     def identity(self) -> dict[str, Any]:
-        """The settings that change what a record contains (not `limit`, `problem_ids` or `device`): a resume must
-        match them."""
+        """The settings that change what a record contains (not `limit`, `problem_ids`, `device` or `batch_size`): a
+        resume must match them. The engine is named when it is not ``hf``, the one every run made before engines
+        existed used, so their directories still resume."""
         source = resolve_source(self.dataset, self.data_file, tokenizer=self.model)
         return {
             "model": self.model,
@@ -84,10 +99,31 @@ class GenerationConfig:
             "max_new_tokens": self.max_new_tokens,
             **self.sampling,
             "dtype": self.dtype,
+            **({"engine": self.engine} if self.engine != "hf" else {}),
         }
 
+    def limits(self) -> ModelLimits:
+        """The model's context and vocabulary, from its config (no weights are loaded)."""
+        from models.loading import model_limits
+
+        return model_limits(self.model)
+
+    def check_prompts(self, prompts: Mapping[str, Sequence[int]]) -> None:
+        """Refuse a problem (id -> prompt ids) whose prompt and ``max_new_tokens`` exceed the model's context,
+        before anything is decoded."""
+        limits = self.limits()
+        for problem_id, ids in prompts.items():
+            limits.check_tokens(f"problem {problem_id!r}: its prompt of {len(ids)} tokens + --max-new-tokens "
+                                f"{self.max_new_tokens}", len(ids) + self.max_new_tokens)
+
     def problems(self) -> list[Problem]:
-        """The problems to run; generated (RULER) contexts are measured with this model's tokenizer."""
+        """The problems to run; generated (RULER) contexts are measured with this model's tokenizer. A generation
+        cap or a RULER length beyond the model's context is refused before any haystack is built."""
+        limits = self.limits()
+        limits.check_tokens(f"--max-new-tokens {self.max_new_tokens}", self.max_new_tokens)
+        generated = ruler.parse_name(self.dataset) if self.data_file is None else None
+        if generated is not None:
+            limits.check_tokens(f"ruler length {generated.context_tokens}", generated.context_tokens)
         problems = load_problems(self.dataset, data_file=self.data_file, limit=self.limit, tokenizer=self.model)
         if self.problem_ids is None:
             return problems
@@ -138,39 +174,46 @@ def graded_trace(
     )
 
 
-def generate_traces(lm, problems: Iterable[Problem], config: GenerationConfig) -> Iterator[Trace]:
-    """Generate and grade each problem with `lm` (a `models.loading.LoadedModel`), yielding its trace as it finishes.
+def generate_traces(engine, problems: Iterable[Problem], config: GenerationConfig) -> Iterator[Trace]:
+    """Generate and grade each problem with `engine` (a `tasks.engines` engine, or a `models.loading.LoadedModel`,
+    decoded by `tasks.engines.HFEngine` at ``config.batch_size``), yielding the traces in problem order, each as
+    soon as it and every earlier one have finished.
 
     Each problem draws from its own seed (`core.seeds.derive_seed` of the run seed and its id), so a resumed run, a
-    longer ``limit`` or another order reproduces every trace.
+    longer ``limit``, another order or another batch size reproduces every trace.
     """
-    from tasks import generation
+    from tasks.engines import HFEngine
+    from tasks.generation import Request
     from tasks.prompts import build_prompt_ids
 
-    for problem in problems:
-        prompt_ids = build_prompt_ids(lm.tokenizer, problem)
-        result = generation.generate(
-            lm,
-            prompt_ids,
-            config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=derive_seed(config.seed, [problem.id]),
-        )
-        yield graded_trace(
-            problem,
-            model=config.model,
-            prompt_ids=prompt_ids,
-            generated_ids=result.generated_ids,
-            text=result.text,
-            finish_reason=result.finish_reason,
-            sampling=config.sampling,
-            timings={
-                "prefill_s": round(result.prefill_s, 4),
-                "decode_s": round(result.decode_s, 4),
-                "tokens_per_s": round(result.tokens_per_s, 3),
-            },
-        )
+    if not hasattr(engine, "stream"):
+        engine = HFEngine(engine, config.batch_size)
+    problems = list(problems)
+    prompts = [build_prompt_ids(engine.tokenizer, problem) for problem in problems]
+    requests = [Request(tuple(ids), config.max_new_tokens, config.temperature, config.top_p,
+                        derive_seed(config.seed, [problem.id])) for ids, problem in zip(prompts, problems)]
+    described = engine.describe()
+    finished, first_unsent = {}, 0
+    for index, result in engine.stream(requests):
+        finished[index] = result
+        while first_unsent in finished:
+            result = finished.pop(first_unsent)
+            yield graded_trace(
+                problems[first_unsent],
+                model=config.model,
+                prompt_ids=prompts[first_unsent],
+                generated_ids=result.generated_ids,
+                text=result.text,
+                finish_reason=result.finish_reason,
+                sampling=config.sampling,
+                timings={
+                    "prefill_s": round(result.prefill_s, 4),
+                    "decode_s": round(result.decode_s, 4),
+                    "tokens_per_s": round(result.tokens_per_s, 3),
+                },
+                engine=described,
+            )
+            first_unsent += 1
 
 
 @dataclass
@@ -192,6 +235,11 @@ def generate_one(generator: Generator, problem: Problem) -> Trace:
     """The unit of work of `core.backend.run_units`: one problem's graded trace."""
     (trace,) = generate_traces(generator.lm, [problem], generator.config)
     return trace
+
+
+def generate_chunk(generator: Generator, problems: list[Problem]) -> list[Trace]:
+    """The unit of work of `tasks.run` on Ray: a batch of problems' graded traces, in order."""
+    return list(generate_traces(generator.lm, problems, generator.config))
 
 
 def summarize(traces: Sequence[Trace]) -> dict[str, Any]:
@@ -265,13 +313,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed",
-        type=int,
+        type=seed_int,
         default=0,
         help="seed for sampling; each problem draws from a seed derived from this one and its id, so "
         "reruns and resumes reproduce (default: 0)",
     )
     parser.add_argument(
         "--data-file", default=None, help="read problems from this JSONL file instead of $KVSCOPE_DATA_DIR or the hub"
+    )
+    parser.add_argument(
+        "--engine",
+        default="hf",
+        help=f"generation engine: {', '.join(ENGINES)} (default: hf, kvscope's own decoding on transformers; vllm "
+        "needs its environment, docs/engines.md)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="sequences decoded together: hf continuous batching (1 = one problem at a time), vllm's max_num_seqs "
+        "(default: 1)",
     )
     parser.add_argument("--out", default=None, help="output directory (default: runs/<dataset>-<model>)")
     add_device_arguments(parser)
@@ -288,21 +349,31 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     config = GenerationConfig.from_flags(vars(args))
     backend = BackendConfig.from_flags(vars(args))
+    check_engine(config.engine)  # a missing vLLM is reported before anything is read or loaded
+    if config.engine == "vllm" and backend.backend != "serial":
+        raise UsageError("--engine vllm batches every problem in one vLLM engine; it does not run on --backend ray")
     problems = config.problems()  # bad input is found before --out is claimed
     out = Path(args.out) if args.out else _default_out(config.model, config.dataset)
     with RunDir(out, config.identity()) as run, connected(backend):
         from tqdm import tqdm
 
-        from models.loading import load_model
-        from tasks.prompts import uses_chat_template
+        from tasks.engines import load_engine
+        from tasks.prompts import build_prompt_ids, uses_chat_template
 
-        # The driver's own copy describes the run and is the serial backend's worker.
-        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        # The driver's engine describes the run and is the serial backend's worker.
+        engine = load_engine(config.engine, config.model, batch_size=config.batch_size, device=config.device,
+                             dtype=config.dtype, seed=config.seed)
+        try:
+            config.check_prompts({p.id: build_prompt_ids(engine.tokenizer, p) for p in problems})
+        except UsageError:
+            engine.close()
+            raise
         run.save_config(
             **dataclasses.asdict(config),
             out=str(out),
-            loaded_model=lm.describe(),
-            prompt_format="chat_template" if uses_chat_template(lm.tokenizer) else "plain (no chat template)",
+            loaded_model=engine.lm.describe() if config.engine == "hf" else {"name": config.model},
+            loaded_engine=engine.describe(),
+            prompt_format="chat_template" if uses_chat_template(engine.tokenizer) else "plain (no chat template)",
             backend=dataclasses.asdict(backend),
         )
         store = run.store("generations.jsonl")
@@ -319,7 +390,8 @@ def _run(argv: list[str] | None) -> int:
                 file=sys.stderr,
             ) as bar:
 
-                def progress(_: Problem, trace: Trace) -> None:
+                def finished(trace: Trace) -> None:
+                    store.append(trace.to_json())
                     bar.update(1)
                     say(
                         f"[{trace.id}] gold={_short(trace.gold, 30)} answer={_short(trace.answer, 30)} "
@@ -327,15 +399,19 @@ def _run(argv: list[str] | None) -> int:
                         f"{trace.finish_reason}, {trace.timings['tokens_per_s']:.1f} tok/s)"
                     )
 
-                run_units(
-                    todo,
-                    functools.partial(load_generator, config),
-                    generate_one,
-                    backend,
-                    on_result=lambda _, trace: store.append(trace.to_json()),
-                    progress=progress,
-                    local_worker=Generator(lm, config),
-                )
+                if backend.backend == "serial":
+                    for trace in generate_traces(engine, todo, config):
+                        finished(trace)
+                else:
+
+                    def finished_chunk(_: list[Problem], traces: list[Trace]) -> None:
+                        for trace in traces:
+                            finished(trace)
+
+                    size = config.batch_size
+                    run_units([todo[i:i + size] for i in range(0, len(todo), size)],
+                              functools.partial(load_generator, config), generate_chunk, backend,
+                              on_result=finished_chunk)
         except KeyboardInterrupt:
             print(
                 f"\ninterrupted; {len(store.records)} records are saved in {store.path}; rerun the same command to "
@@ -343,6 +419,8 @@ def _run(argv: list[str] | None) -> int:
                 file=sys.stderr,
             )
             return 130
+        finally:
+            engine.close()
 
         wanted = {p.id for p in problems}
         traces = [
@@ -350,7 +428,7 @@ def _run(argv: list[str] | None) -> int:
             for r in store.records
             if str(r.get("id")) in wanted
         ]
-        summary = {**summarize(traces), "model": config.model, "dataset": config.dataset}
+        summary = {**summarize(traces), "model": config.model, "dataset": config.dataset, "engine": engine.describe()}
         write_json(out / "summary.json", summary)
     speed = summary["median_tokens_per_s"]
     print(format_table(traces))

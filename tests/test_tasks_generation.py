@@ -1,5 +1,6 @@
 """Plain generation (tasks/generation.py): the token-picking rule on hand-made logits, greedy equals an argmax loop,
-stop tokens, seeded temperature and nucleus sampling, timings."""
+stop tokens, seeded temperature and nucleus sampling, timings; batched generation (continuous batching) reproduces
+single-sequence decoding token for token."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import copy
 import pytest
 import torch
 
-from tasks.generation import GenerationResult, generate, nucleus_mask, pick_tokens, stop_token_ids
+import tasks.generation
+from models.tiny import tiny_model
+from tasks.generation import (
+    GenerationResult,
+    Request,
+    generate,
+    generate_batch,
+    nucleus_mask,
+    pick_tokens,
+    stop_token_ids,
+)
 
 
 def _logits(*rows):
@@ -148,6 +159,105 @@ def test_bad_arguments(tiny_llama):
 def test_stop_tokens_include_chat_end_markers(tiny_llama):
     tok = tiny_llama.tokenizer
     assert stop_token_ids(tok) == [tok.convert_tokens_to_ids("<|eos|>")]
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    """`n` random prompts of different lengths (3 to 30 tokens) from the tiny vocabulary's ordinary ids."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 9, 30, 3, 12, 21, 8][:n]
+    return [torch.randint(40, 250, (length,), generator=generator).tolist() for length in lengths]
+
+
+def _batched(lm, requests, batch_size, **kwargs) -> dict[int, GenerationResult]:
+    results = dict(generate_batch(lm, requests, batch_size, **kwargs))
+    assert sorted(results) == list(range(len(requests)))  # every request, each once
+    return results
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])  # gemma3's sliding layers: one prompt at a time
+def test_batched_greedy_equals_single_sequence_decoding(family):
+    """7 prompts of different lengths and limits, 3 at a time, one of them ending early at a stop token: each row's
+    tokens are exactly those of decoding it alone, and a finished row's place is refilled."""
+    lm = copy.deepcopy(tiny_model(family, seed=0, initializer_range=0.1))  # larger weights: varied greedy tokens
+    prompts = _prompts(7)
+    alone = [generate(lm, p, 30).generated_ids for p in prompts]
+    lm.model.generation_config.eos_token_id = alone[1][6]  # row 1 now stops at its 7th token (or earlier)
+    requests = [Request(tuple(p), 12 + 3 * i) for i, p in enumerate(prompts)]
+    single = [generate(lm, list(r.prompt_ids), r.max_new_tokens) for r in requests]
+    batched = _batched(lm, requests, 3)
+    assert [batched[i].generated_ids for i in range(7)] == [r.generated_ids for r in single]
+    assert [batched[i].finish_reason for i in range(7)] == [r.finish_reason for r in single]
+    assert single[1].finish_reason == "eos" and len(single[1].generated_ids) <= 7
+    assert all(r.text == lm.tokenizer.decode(r.generated_ids, skip_special_tokens=True) for r in batched.values())
+
+
+def test_batched_rows_come_back_as_they_finish(tiny_llama):
+    requests = [Request(tuple(p), n) for p, n in zip(_prompts(4), [20, 3, 12, 1])]
+    order = [index for index, _ in generate_batch(tiny_llama, requests, 4)]
+    assert order == [3, 1, 2, 0]  # a one-token request finishes at its prefill, then by length
+    batched = _batched(tiny_llama, requests, 4)
+    assert [len(batched[i].generated_ids) for i in range(4)] == [20, 3, 12, 1]
+    assert all(r.prefill_s > 0 and r.decode_s >= 0 for r in batched.values())
+
+
+def test_batched_sampling_draws_what_each_sequence_draws_alone(tiny_llama):
+    """Each row has its own generator: the same seeded draws as decoding it alone, whatever else shares the batch."""
+    requests = [Request(tuple(p), 16, temperature=1.0, top_p=0.9, seed=i) for i, p in enumerate(_prompts(5))]
+    single = [generate(tiny_llama, list(r.prompt_ids), 16, temperature=1.0, top_p=0.9, seed=r.seed).generated_ids
+              for r in requests]
+    batched = _batched(tiny_llama, requests, 2)
+    assert [batched[i].generated_ids for i in range(5)] == single
+    greedy = _batched(tiny_llama, [Request(r.prompt_ids, 16) for r in requests], 2)
+    assert [greedy[i].generated_ids for i in range(5)] != single  # sampling is not greedy
+
+
+def test_batched_decoding_stays_exact_when_compacting_every_step(monkeypatch):
+    lm = tiny_model("llama", seed=0, initializer_range=0.1)
+    monkeypatch.setattr(tasks.generation, "COMPACT_MIN_DEAD", 0)
+    monkeypatch.setattr(tasks.generation, "COMPACT_DEAD_RATIO", 0.0)
+    compactions = []
+    compact = tasks.generation.compact_rows
+    monkeypatch.setattr(tasks.generation, "compact_rows",
+                        lambda cache, valid: compactions.append(1) or compact(cache, valid))
+    # Slots beyond the longest live row appear when it leaves; these limits make the longest leave twice mid-run.
+    limits = [6, 18, 10, 14, 8, 22, 12, 16]
+    requests = [Request(tuple(p), n) for p, n in zip(_prompts(8), limits)]
+    single = [generate(lm, list(r.prompt_ids), r.max_new_tokens).generated_ids for r in requests]
+    batched = _batched(lm, requests, 3)
+    assert [batched[i].generated_ids for i in range(8)] == single
+    assert len(compactions) >= 2
+
+
+def test_batched_stop_ids_override_the_models(tiny_llama):
+    prompt = _prompts(1)[0]
+    tokens = generate(tiny_llama, prompt, 10).generated_ids
+    requests = [Request(tuple(prompt), 10), Request(tuple(_prompts(2)[1]), 10)]
+    batched = _batched(tiny_llama, requests, 2, stop_ids=[tokens[3]])
+    cut = tokens.index(tokens[3]) + 1
+    assert batched[0].generated_ids == tokens[:cut] and batched[0].finish_reason == "eos"
+    assert generate(tiny_llama, prompt, 10, stop_ids=[tokens[3]]).generated_ids == tokens[:cut]
+
+
+def test_batched_bad_arguments(tiny_llama):
+    with pytest.raises(ValueError, match="batch_size"):
+        list(generate_batch(tiny_llama, [Request((1, 2), 4)], 0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(generate_batch(tiny_llama, [Request((1, 2), 0)], 2))
+    with pytest.raises(ValueError, match="top_p"):
+        list(generate_batch(tiny_llama, [Request((1, 2), 4, temperature=1.0, top_p=0.0)], 2))
+
+
+@pytest.mark.realmodel
+def test_smollm2_batched_gsm8k_prompts_equal_single_sequence(smollm2, data_dir):
+    """Real chat prompts of six GSM8K problems, 4 at a time: the same greedy tokens as one at a time."""
+    from tasks.datasets import load_problems
+    from tasks.prompts import build_prompt_ids
+
+    problems = load_problems("gsm8k", data_file=f"{data_dir}/gsm8k_test.jsonl", limit=6)
+    requests = [Request(tuple(build_prompt_ids(smollm2.tokenizer, p)), 24) for p in problems]
+    single = [generate(smollm2, list(r.prompt_ids), 24).generated_ids for r in requests]
+    batched = _batched(smollm2, requests, 4)
+    assert [batched[i].generated_ids for i in range(6)] == single
 
 
 @pytest.mark.realmodel

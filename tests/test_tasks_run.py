@@ -1,8 +1,11 @@
-"""The generation CLI (tasks/run.py): trace records, resume without duplicates, the library under it, and bad input
--> exit 2, one line and nothing written (including --out and --device problems and a second run on one --out)."""
+"""The generation CLI (tasks/run.py): trace records, resume without duplicates, the library under it, batched
+generation reproducing one-at-a-time records, and bad input -> exit 2, one line and nothing written (including --out
+and --device problems, a missing vLLM and a second run on one --out)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import tasks.generation
 from core.rundir import RunDir
@@ -18,12 +22,12 @@ from core.schemas import Trace, read_records
 from models.loading import load_model
 from tasks.datasets import load_problems
 from tasks.generation import GenerationResult
-from tasks.run import GenerationConfig, format_table, generate_traces, main, summarize
+from tasks.run import GenerationConfig, Generator, format_table, generate_chunk, generate_traces, main, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = set(
     "kind id dataset model prompt_ids generated_ids text answer gold correct finish_reason empty_output no_answer "
-    "timings sampling policy".split()
+    "timings sampling policy engine".split()
 )
 
 
@@ -57,6 +61,7 @@ def test_run_writes_records_summary_and_config(tiny_dir, problems_file, tmp_path
         assert r["empty_output"] == (not r["text"].strip())
         assert r["kind"] == "trace" and r["policy"] == "full" and r["eviction"] is None
         assert r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "seed": 0}
+        assert r["engine"] == {"name": "hf", "version": transformers.__version__, "batch_size": 1}
     assert [t.id for t in read_records(out / "generations.jsonl", Trace)] == ["q1", "q2", "q3"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["problems"] == 3 and summary["accuracy"] == summary["correct"] / 3
@@ -151,7 +156,7 @@ def test_accuracy_summary_and_table_with_a_scripted_model(tiny_dir, problems_fil
     """Replace the model's text with known answers to check grading, counts and the printed table end to end."""
     scripted = iter(["so \\boxed{2}", "I think it is 5", "", "#### 8"])  # correct, wrong, empty, correct
 
-    def fake_generate(lm, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0):
+    def fake_generate(lm, prompt_ids, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0, stop_ids=None):
         text = next(scripted)
         return GenerationResult([1, 2] if text else [3], text, "eos" if text else "length", 0.01, 0.02)
 
@@ -171,6 +176,59 @@ def test_accuracy_summary_and_table_with_a_scripted_model(tiny_dir, problems_fil
     assert table[0].split()[:4] == ["#", "id", "gold", "answer"] and len(table) == 2 + 4
     assert summarize(traces)["mean_generated"] == (2 + 2 + 1 + 2) / 4
     assert summarize([])["accuracy"] == 0.0
+
+
+def test_batched_run_writes_the_records_of_a_one_at_a_time_run(tiny_dir, problems_file, tmp_path):
+    """--batch-size 3 over 4 problems: the same tokens, text and grades, in problem order, with the batch size
+    recorded; and a batched run resumes a one-at-a-time run (the batch size is not part of the identity)."""
+    base = ["--model", tiny_dir, "--dataset", "gsm8k", "--data-file", problems_file, "--max-new-tokens", "8", "--quiet"]
+    assert main([*base, "--out", str(tmp_path / "one")]) == 0
+    assert main([*base, "--out", str(tmp_path / "three"), "--batch-size", "3"]) == 0
+    one, three = _read(tmp_path / "one" / "generations.jsonl"), _read(tmp_path / "three" / "generations.jsonl")
+    fields = ("id", "generated_ids", "text", "answer", "correct", "finish_reason")
+    assert [[r[f] for f in fields] for r in three] == [[r[f] for f in fields] for r in one]
+    assert [r["id"] for r in three] == ["q1", "q2", "q3", "q4"]
+    assert {r["engine"]["batch_size"] for r in three} == {3}
+    config = json.loads((tmp_path / "three" / "config.json").read_text())
+    assert config["batch_size"] == 3 and config["loaded_engine"]["batch_size"] == 3
+    assert "engine" not in config["identity"] and "batch_size" not in config["identity"]
+    assert main([*base, "--out", str(tmp_path / "mixed"), "--limit", "2"]) == 0
+    assert main([*base, "--out", str(tmp_path / "mixed"), "--batch-size", "2"]) == 0
+    assert [r["generated_ids"] for r in _read(tmp_path / "mixed" / "generations.jsonl")] == [
+        r["generated_ids"] for r in one]
+
+
+def test_a_chunk_is_the_traces_of_its_problems(tiny_dir, problems_file):
+    """The Ray unit of work: a batch of problems decoded together gives their one-at-a-time traces, in order."""
+    config = GenerationConfig(dataset="gsm8k", model=tiny_dir, data_file=problems_file, max_new_tokens=5,
+                              device="cpu", batch_size=3)
+    lm = load_model(tiny_dir, device="cpu")
+    chunk = generate_chunk(Generator(lm, config), config.problems())
+    alone = list(generate_traces(lm, config.problems(), dataclasses.replace(config, batch_size=1)))
+    assert [t.generated_ids for t in chunk] == [t.generated_ids for t in alone] and len(chunk) == 4
+    assert [t.extra["engine"]["batch_size"] for t in chunk] == [3] * 4
+
+
+def test_engine_vllm_without_vllm_exits_2_before_loading_anything(tiny_dir, problems_file, tmp_path, monkeypatch,
+                                                                    capsys):
+    import tasks.engines
+
+    monkeypatch.setattr(tasks.engines, "VLLM_VENV", tmp_path / "no-venv")
+    monkeypatch.delenv("KVSCOPE_VLLM_PYTHON", raising=False)
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this interpreter")
+
+    def no_load(*_, **__):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("models.loading.load_model", no_load)
+    monkeypatch.setattr("tasks.datasets.load_problems", no_load)
+    out = tmp_path / "never"
+    assert generate(tiny_dir, problems_file, out, "--engine", "vllm") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tasks.run: error:") or "error:" in err
+    assert "needs vLLM" in err and "KVSCOPE_VLLM=1 bash scripts/setup.sh" in err and "\n" not in err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -193,6 +251,8 @@ def test_accuracy_summary_and_table_with_a_scripted_model(tiny_dir, problems_fil
         (["--dataset", "math500", "--model", "smolm2-135m"], "did you mean 'smollm2-135m'?"),
         (["--model", "smollm2-135m"], "the following arguments are required: --dataset"),
         (["--dataset", "math500", "--backend", "spark"], "--backend: invalid choice: 'spark'"),
+        (["--dataset", "math500", "--engine", "vlm"], "unknown engine 'vlm' (did you mean 'vllm'?)"),
+        (["--dataset", "math500", "--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
         (["--dataset", "math500", "--workers", "2"], "--workers 2 needs --backend ray"),
         (["--dataset", "math500", "--backend", "ray", "--workers", "0"], "--workers: must be a positive integer"),
     ],
@@ -261,6 +321,7 @@ def test_help_explains_every_flag():
     )
     assert proc.returncode == 0
     flags = "--model --dataset --limit --max-new-tokens --temperature --top-p --seed --data-file --out --device --dtype"
+    flags += " --engine --batch-size"
     backend = "--backend --address --workers --gpus-per-worker --cpus-per-worker"
     for flag in [*flags.split(), *backend.split(), "--quiet"]:
         assert flag in proc.stdout
