@@ -45,6 +45,7 @@ from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig, RoundPlan, SequenceBudgets, plan_round, sequence_budgets
 from models.attention import layer_kinds
 from models.hooks import capture, decoder_layers, hook_name
+from models.kernels import require_flash
 from models.lm import LoadedModel, attention_kernel
 from tasks.generation import pick_tokens, stop_token_ids
 
@@ -150,7 +151,8 @@ class EvictionEngine:
         eos = set() if ignore_eos else _eos_ids(self.lm)
         with self.session(prompts, budgets, max_new_tokens=max_new_tokens, seed=seed) as session:
             sampler = torch.Generator(device=session.device).manual_seed(session.seed + 1)
-            logits = session.prefill()
+            with require_flash(self.model, "the eviction engine's prefill"):
+                logits = session.prefill()
             generated: list[list[int]] = [[] for _ in prompts]
             finished = [False] * len(prompts)
             session.begin_decode()
@@ -162,7 +164,8 @@ class EvictionEngine:
                         finished[seq] = token in eos
                 if all(finished) or index == max_new_tokens - 1:
                     break
-                logits = session.step(tokens)
+                with require_flash(self.model, "the eviction engine's decode", when=index == 0):
+                    logits = session.step(tokens)
             session.end_decode()
             reasons = ["eos" if done else "length" for done in finished]
             return session.result(generated, reasons)
