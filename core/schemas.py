@@ -192,6 +192,10 @@ class Cell(Record):
     max_peak_slots: int | None = None  # the most cache slots any KV head held (the equal-cache comparison key)
     max_peak_cache_bytes: int | None = None
     max_peak_memory_bytes: int | None = None
+    # Why some of the cell's problems ran outside its policy's protocol (`evictor.policy.Policy.outside_protocol`),
+    # "<n> of <N> problems: <reason>"; None when every problem ran inside it. Such a cell measures a variant, not
+    # the method, and tables and figures say so.
+    outside_protocol: str | None = None
 
 
 @dataclass(kw_only=True)

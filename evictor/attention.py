@@ -5,7 +5,8 @@ resident cache is recomputed (`models.attention`) from their post-RoPE queries (
 the cache holds (already post-RoPE), with the masks the engine's kernel applied: causal and sliding-window by
 absolute position, padding slots excluded. That is the row each query really saw, whatever the kernel (eager, SDPA,
 FlashAttention-2), at a cost of one ``[q_head, slots]`` row per query and layer. The rows are GQA group-averaged to
-``[b, kv_head, queries, slots]`` and reduced at once into per-slot tensors of the cache, so compaction keeps them:
+``[b, kv_head, queries, slots]`` (or, with ``Needs.attention_group = "max_logits"``, the softmax of each group's
+maximum logit, R-KV's aggregation) and reduced at once into per-slot tensors of the cache, so compaction keeps them:
 
 - ``queries_window == 0`` (H2O: "every query since entry"): the running sum ``attn_sum [b, kv, slots]`` of
   the attention each slot received from every query since it entered the cache;
@@ -29,9 +30,9 @@ import torch
 
 from evictor.cache import EvictingCache
 from evictor.instrument import SpanTimer
-from models.attention import attention_probabilities, group_mean, visible_by_position
+from models.attention import attention_logits, attention_probabilities, group_mean, visible_by_position
 from models.hooks import capture, hook_name, layer_specs
-from probes.signals.attention import raas_timestamps
+from probes.signals.attention import group_max_probabilities, raas_timestamps
 
 
 class _QueryRing:
@@ -76,11 +77,12 @@ class AttentionFeed:
         return tensors
 
     def __init__(self, model, cache: EvictingCache, window: int, batch: int, device: torch.device,
-                 refresh: float | None = None) -> None:
+                 refresh: float | None = None, group: str = "mean") -> None:
         self.model = model
         self.cache = cache
         self.window = window  # 0 = every query since entry
         self.refresh = refresh  # RaaS's refresh threshold, in uniform shares; None: no timestamps kept
+        self.group = group  # `Needs.attention_group`: "mean" or "max_logits"
         self.n_kv = model.config.num_key_value_heads
         self.specs = layer_specs(model)
         self.ring = _QueryRing(batch, window, device) if window else None
@@ -102,9 +104,13 @@ class AttentionFeed:
         spec = self.specs[layer]
         positions = self.cache.pending_positions  # [b, Q], -1 = padding
         visible = visible_by_position(positions, store.positions, store.sliding_window)  # [b, kv_head, Q, slots]
-        probs = attention_probabilities(queries, store.keys, scaling=spec.scaling, softcap=spec.softcap,
-                                        visible=visible)
-        rows = group_mean(probs, self.n_kv)  # [b, kv_head, Q, slots]; padding queries' rows are 0
+        if self.group == "max_logits":
+            logits = attention_logits(queries, store.keys, scaling=spec.scaling, softcap=spec.softcap, visible=visible)
+            rows = group_max_probabilities(logits, self.n_kv)
+        else:
+            probs = attention_probabilities(queries, store.keys, scaling=spec.scaling, softcap=spec.softcap,
+                                            sinks=spec.sinks, visible=visible)
+            rows = group_mean(probs, self.n_kv)  # [b, kv_head, Q, slots]; padding queries' rows are 0
         slots = rows.shape[-1]
         if self.window == 0:
             store.extra[self.SUM][..., :slots] += rows.sum(2)

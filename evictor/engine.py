@@ -74,6 +74,8 @@ class SequenceResult:
     rounds: int  # eviction rounds that removed tokens of this sequence (prefill blocks included)
     cache_sizes: list[int]  # resident tokens attended over at each forward (prefill blocks, then decode steps)
     keep_log: dict[str, np.ndarray] | None = None
+    # why this sequence ran outside its policy's protocol (`Policy.outside_protocol`), None when inside
+    outside_protocol: str | None = None
 
 
 @dataclass
@@ -121,6 +123,12 @@ class EvictionEngine:
             "query_window": self.query_window,
             **self.config.to_dict(),
         }
+
+    def sequence_budgets(self, budgets: Sequence[int], prompt_lens: Sequence[int],
+                         names: Sequence[str] | None = None) -> SequenceBudgets:
+        """`evictor.protocol.sequence_budgets` under this engine's protection and protocol, with the newest tokens
+        the policy itself keeps (`Policy.kept_recent`) in each sequence's recency window."""
+        return sequence_budgets(budgets, prompt_lens, self.protect, self.config, names, self.policy.kept_recent)
 
     def session(
         self,
@@ -203,12 +211,15 @@ class Session:
                 budgets = [int(config.budget)] * batch
             if len(budgets) != batch:
                 raise UsageError(f"{len(budgets)} budgets for {batch} prompts")
-            self.budgets, self.limits, self.recency = sequence_budgets(
-                budgets, self.prompt_lens, engine.protect, config)
+            self.budgets, self.limits, self.recency = engine.sequence_budgets(budgets, self.prompt_lens)
+        # The protection each sequence really had: the long-prompt fallback gives a prompt-protecting one sinks.
+        self.protections = ["sinks" if engine.protect == "prompt" and limit < n else engine.protect
+                            for limit, n in zip(self.limits, self.prompt_lens)]
         width = max(self.prompt_lens)
         self.pad = [width - n for n in self.prompt_lens]
         self.block = width if self.never else config.block
-        steady = width + max_new_tokens if self.never else max(self.budgets) + 2 * config.buffer + self.block + 1
+        steady = (width + max_new_tokens if self.never
+                  else max(self.budgets) + config.buffer + config.period + self.block + 1)
         cfg = self.model.config
         self.n_kv = cfg.num_key_value_heads
         self.n_rep = cfg.num_attention_heads // self.n_kv
@@ -222,7 +233,8 @@ class Session:
         self.cache = EvictingCache(cfg, min(steady, width + max(max_new_tokens, 1)), slot_tensors)
         self.feed: AttentionFeed | None = None
         if engine.needs.attention:
-            self.feed = AttentionFeed(self.model, self.cache, window, batch, self.device, refresh)
+            self.feed = AttentionFeed(self.model, self.cache, window, batch, self.device, refresh,
+                                      engine.needs.attention_group)
         self.states: list[dict[str, Any]] = [{} for _ in range(engine.n_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.n_valid = [0] * batch
@@ -409,6 +421,7 @@ class Session:
             recency=self.recency,
             trigger=self.config.trigger,
             boundary=boundary,
+            interval=self.config.interval,
         )
         if plan is not None:
             self._evict(plan)
@@ -479,6 +492,7 @@ class Session:
             cache_keys=store.keys if needs.cache and needs.keys else None,
             cache_values=store.values if needs.cache and needs.values else None,
             cache_mask=store.positions >= 0 if needs.cache else None,
+            cache_positions=store.positions if needs.cache else None,
             attention=attention,
             query_positions=query_positions,
             refreshed=refreshed,
@@ -555,6 +569,7 @@ class Session:
                 protected=self.limits[seq],
                 recency=self.recency[seq],
                 rounds=self.rounds[seq],
+                outside_protocol=self.policy.outside_protocol(self.protections[seq]),
                 cache_sizes=self.cache_sizes[seq],
                 keep_log=self.keep_log.for_sequence(seq) if self.keep_log is not None else None,
             )

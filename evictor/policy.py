@@ -4,6 +4,12 @@ A policy is a small dataclass that turns what it declared it needs into one scor
 ``[batch, kv_head, candidates]``, higher = keep. It never sees the protected prompt, the recent buffer or the
 budget: the engine removes those from the candidate set, keeps the top-scoring candidates, and compacts the cache.
 
+Protection has two sources, both listed by ``python -m evictor.policies``: the engine's (``default_protection``:
+the prompt, the first sinks or nothing, which a run may override, plus the protocol's buffer and recency window) and
+the method's own (``kept_recent``: the newest tokens the method always keeps, e.g. SnapKV's observation window, which
+the engine keeps under every protocol). ``defined_for`` names the protections a method is defined for; a run with
+another one is marked outside its protocol (``outside_protocol``), never reported as a score of the method.
+
 Keep sets: one per (sequence, layer, KV head) by default; ``shared_across_heads`` makes the engine average a layer's
 per-head scores into one keep set for every head of the layer, ``shared_across_layers`` makes it average one round's
 per-layer scores into one keep set per KV head applied to every layer (both: one set for the whole cache). The scores
@@ -30,7 +36,10 @@ from typing import Any, ClassVar
 import torch
 
 from core.errors import UsageError, unknown_choice
+from core.schemas import check_field_types
 from probes.signals.hidden import DEFAULT_HIDDEN_HOOK
+
+ATTENTION_GROUPS = ("mean", "max_logits")
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,15 @@ class Needs:
     # ScoreInputs.refreshed: per slot, the position of the newest query whose attention on it exceeded this multiple
     # of that query's uniform share 1 / (keys it saw) (RaaS's refresh rule); needs `attention` (the feed computes it)
     refresh_threshold: float | None = None
+    # How the feed turns a KV head's query group into one row: "mean" of the query heads' probabilities (after the
+    # softmax), or "max_logits", the softmax of the group's maximum logit (R-KV's compute_attention_scores)
+    attention_group: str = "mean"
 
     def __post_init__(self) -> None:
         if self.refresh_threshold is not None and not self.attention:
             raise ValueError("refresh timestamps are computed from the attention feed: set attention=True")
+        if self.attention_group not in ATTENTION_GROUPS:
+            raise ValueError(f"unknown attention_group {self.attention_group!r}; valid: {', '.join(ATTENTION_GROUPS)}")
 
     @property
     def fa_compatible(self) -> bool:
@@ -89,7 +103,9 @@ class ScoreInputs:
     cache_keys: torch.Tensor | None = None  # [batch, kv_head, slots, d_head] every resident slot (for cache means)
     cache_values: torch.Tensor | None = None
     cache_mask: torch.Tensor | None = None  # [batch, kv_head, slots] bool, False on padding slots
-    attention: torch.Tensor | None = None  # [batch, kv_head, queries, candidates] probabilities, GQA group-averaged
+    cache_positions: torch.Tensor | None = None  # [batch, kv_head, slots] absolute positions, -1 on padding
+    # [batch, kv_head, queries, candidates] probabilities, GQA group-averaged (or group-max, Needs.attention_group)
+    attention: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None  # [batch, queries] absolute positions of the attention's queries
     # [batch, kv_head, candidates] newest refreshing query's position, else the slot's own (Needs.refresh_threshold)
     refreshed: torch.Tensor | None = None
@@ -117,6 +133,27 @@ class Policy:
     # What the engine protects from eviction unless the run overrides it: "prompt" (whole prompt, the default of
     # Random Attention and EpiKV's hidden-state/KV families), "sinks" (first few tokens, StreamingLLM / H2O) or "none".
     default_protection: ClassVar[str] = "prompt"
+    # The protections the method is defined for (None: any), and the passage that defines it: a run with another one
+    # (an explicit --protect, or the long-prompt fallback to sinks) is outside the method's protocol.
+    defined_for: ClassVar[tuple[str, ...] | None] = None
+    defined_by: ClassVar[str] = ""
+
+    def kept_recent(self, budget: int) -> int:
+        """How many of the newest tokens the method itself keeps at every round, whatever the protocol, in a
+        sequence whose budget (as given, in tokens) is `budget`: the observation window its scores are computed from
+        (SnapKV, R-KV) or its own recent share of K (H2O's heavy/recent split). The engine keeps them unscored and
+        inside K, as the recency window (`evictor.protocol.sequence_budgets`: the window becomes at least this many
+        tokens minus the buffer, which keeps the newest already); 0 leaves the newest tokens to the protocol."""
+        return 0
+
+    def outside_protocol(self, protect: str) -> str | None:
+        """Why a sequence run with protection `protect` ("prompt", "sinks" or "none", after any long-prompt
+        fallback) is outside the protocol this method is defined for (`defined_for`), or None when it is inside.
+        Such a run measures a variant, never the method: `evictor.run` marks its cell (``Cell.outside_protocol``)."""
+        if self.defined_for is None or protect in self.defined_for:
+            return None
+        return (f"{self.name} is defined with protection {' or '.join(self.defined_for)} ({self.defined_by}); "
+                f"this run protected {protect!r}")
 
     @property
     def needs(self) -> Needs:
@@ -181,6 +218,8 @@ def choose_policies(text: str) -> list[str]:
     chosen = [part.strip() for part in text.split(",") if part.strip()]
     if not chosen:
         raise UsageError(f"no policy in {text!r}; give a name, a comma list or 'all'")
+    if len(chosen) != len(text.split(",")):
+        raise UsageError(f"policy list {text!r} has an empty name; separate the names by single commas")
     for name in chosen:
         if name not in names:
             raise unknown_choice("policy", name, names)
@@ -196,13 +235,14 @@ def read_policy_config(path: str | os.PathLike, flag: str = "--policy-config") -
         raise UsageError(f"{flag} {str(path)!r} does not exist")
     try:
         config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise UsageError(f"{flag} {str(path)!r} is not valid JSON ({err})") from None
     if not isinstance(config, dict) or "policy" not in config or not isinstance(config.get("params", {}), dict):
         raise UsageError(f'{flag} {str(path)!r} must be {{"policy": name, "params": {{...}}}}')
     names = policy_names()
     if config["policy"] not in names:
-        raise unknown_choice("policy", str(config["policy"]), names)
+        raise UsageError(f"{flag} {str(path)!r}: {unknown_choice('policy', str(config['policy']), names)}")
+    configured_policy(config["policy"], config.get("params", {}), f"{flag} {str(path)!r}")  # refused here, named
     return config["policy"], dict(config.get("params", {}))
 
 
@@ -251,7 +291,11 @@ def left_out_line(left_out: Sequence[str], flag: str = "--policy") -> str:
 
 
 def configured_policy(name: str, params: dict[str, Any], flag: str = "--policy-config") -> Policy:
-    """`get_policy` with parameters from a file: an unknown parameter name is a one-line `UsageError`."""
+    """`get_policy` with parameters from a file: an unknown parameter name, or a value of another type than the
+    parameter's (2.5 for an integer), is a one-line `UsageError`."""
+    _load_builtin_policies()
+    if name in POLICIES:
+        check_field_types(POLICIES[name], params, f"{flag}: {name}", finite=True)
     try:
         return get_policy(name, **params)
     except TypeError as err:

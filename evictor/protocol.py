@@ -15,7 +15,9 @@ At an eviction round the resident tokens of one (sequence, layer, KV head) split
   ``recency_share`` set, each sequence has its own window ``w_b = min(recency, floor(recency_share * K_b))`` from its
   own budget ``K_b`` as given (before `budget_scope` is applied), so a fractional budget, which resolves to a
   different K for every problem, gives every problem EpiKV's ``min(128, K/4)``; `sequence_budgets` returns the
-  windows and `plan_round` takes one per sequence.
+  windows and `plan_round` takes one per sequence. A policy that itself always keeps its newest tokens
+  (`evictor.policy.Policy.kept_recent`: SnapKV's and R-KV's observation windows, H2O's recent share) widens the
+  window to cover them whatever the protocol: ``w_b = max(w_b, kept - r)``.
 - **candidates**: everything else. The policy scores them and the top ``K - |protected| - w`` survive.
 
 So after a round the cache holds ``K + r`` slots: ``K`` = protected + recency window + scored survivors, plus the
@@ -32,7 +34,9 @@ error unless ``on_long_prompt`` chooses a fallback explicitly: ``"expand"`` rais
 Triggers (when a round fires for one sequence; ``n`` = its resident tokens after the forward just run):
 
 - ``"interval"`` (Random Attention): once ``n >= K + 2r``, i.e. every ``r`` decode steps once past ``K + r``; the
-  cache oscillates between ``K + r`` and ``K + 2r``. Needs ``r >= 1``.
+  cache oscillates between ``K + r`` and ``K + 2r``. Needs ``r >= 1``. With ``interval = I`` set the period is I
+  instead of r: a round fires once ``n >= K + r + I`` (R-KV's staging buffer: I = 128 generated tokens, all of them
+  scored, r = 0).
 - ``"step"`` (EpiKV, ValueDiff): whenever ``n > K + r``; the cache stays at ``K + r`` (``K + r + 1`` while attending).
 - Prefill blocks (ValueDiff §2.2, both triggers): the prompt is processed in blocks of ``B`` tokens and every block
   boundary (and the end of the prefill) evicts down to ``K + r`` whenever ``n > K + r``, so the prefill peak is
@@ -56,7 +60,7 @@ window of ``min(128, floor(K_b / 4))`` per problem, whatever the budget, fractio
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
@@ -83,6 +87,7 @@ class EvictionConfig:
 
     budget: float = 1024
     buffer: int = DEFAULT_BUFFER
+    interval: int | None = None  # decode steps between rounds of the interval trigger; None: the buffer r
     block: int = DEFAULT_BLOCK
     trigger: str = "interval"
     protect: str | None = None
@@ -108,9 +113,12 @@ class EvictionConfig:
             raise UsageError(f"block must be >= 1, got {self.block}")
         if self.trigger not in TRIGGERS:
             raise unknown_choice("trigger", self.trigger, TRIGGERS)
-        if self.trigger == "interval" and self.buffer < 1:
+        if self.interval is not None and self.interval < 1:
+            raise UsageError(f"interval must be >= 1, got {self.interval}")
+        if self.trigger == "interval" and self.period < 1:
             raise UsageError(
-                "trigger 'interval' evicts every `buffer` steps, so it needs buffer >= 1 (or use --trigger step)"
+                "trigger 'interval' evicts every `interval` steps (default: the buffer), so it needs interval or "
+                "buffer >= 1 (or use --trigger step)"
             )
         if self.protect is not None and self.protect not in PROTECTIONS:
             raise unknown_choice("protection", self.protect, PROTECTIONS)
@@ -122,6 +130,11 @@ class EvictionConfig:
             raise UsageError(f"recency_share must be in (0, 1], got {self.recency_share}")
         if self.query_window is not None and self.query_window < 1:
             raise UsageError(f"query_window must be >= 1, got {self.query_window}")
+
+    @property
+    def period(self) -> int:
+        """Decode steps between two rounds of the interval trigger: `interval`, or the buffer r when unset."""
+        return self.buffer if self.interval is None else self.interval
 
     @property
     def fractional(self) -> bool:
@@ -164,9 +177,14 @@ def sequence_budgets(
     protect: str,
     config: EvictionConfig,
     names: Sequence[str] | None = None,
+    kept_recent: Callable[[int], int] | None = None,
 ) -> SequenceBudgets:
     """Per-sequence effective budget K_b, protection limit and recency window (`recency_window`), applying
     `budget_scope` and `on_long_prompt`.
+
+    `kept_recent` (a policy's `Policy.kept_recent`) maps a budget as given to the newest tokens the policy itself
+    always keeps (its observation window): the window becomes at least that many minus the buffer (which holds the
+    newest already), so the policy's own protection holds under every protocol, counted inside K like the window.
 
     Raises `UsageError` naming the sequence when a protected prompt plus the recency window exceeds its budget and no
     fallback was chosen.
@@ -176,6 +194,8 @@ def sequence_budgets(
         who = names[index] if names is not None else f"sequence {index}"
         limit = protection_limit(protect, prompt_len, config.n_sinks)
         recency = recency_window(config, budget)
+        if kept_recent is not None:
+            recency = max(recency, kept_recent(budget) - config.buffer)
         if config.budget_scope == "trace":
             budget = budget + limit + recency
         elif config.budget_scope == "with_buffer":
@@ -233,14 +253,16 @@ def plan_round(
     recency: Sequence[int],
     trigger: str,
     boundary: bool,
+    interval: int | None = None,
 ) -> RoundPlan | None:
     """Which sequences evict now and how many slots each keeps; None when no sequence evicts.
 
     `slots`: current slot count (valid slots of sequence b are the last ``n_valid[b]``); `next_pos[b]`: positions
     ``0..next_pos[b]-1`` have been produced; `limits[b]`: protection limit; `budgets[b]`: effective K_b;
     `recency[b]`: recency window w_b; `boundary`: a prefill block boundary (evicts whenever over ``K + r``
-    regardless of the trigger).
+    regardless of the trigger); `interval`: the interval trigger's period (None: the buffer).
     """
+    period = buffer if interval is None else interval
     triggered, n_keep, starts, ends, keeps = [], [], [], [], []
     for n, produced, limit, budget, window in zip(n_valid, next_pos, limits, budgets, recency, strict=True):
         n_prot = min(limit, produced)
@@ -251,7 +273,7 @@ def plan_round(
         if boundary or trigger == "step":
             fires = n > budget + buffer
         else:
-            fires = n >= budget + 2 * buffer
+            fires = n >= budget + buffer + period
         fires = fires and n_cand > keep_cand
         start = slots - n + n_prot
         triggered.append(fires)
@@ -340,6 +362,19 @@ PRESETS: dict[str, Preset] = {
             Sampling(),
         ),
         Preset(
+            "r_kv",
+            "evict every 128 decode steps once the cache reaches K + 128 (R-KV's staging buffer, scored: no unscored "
+            "buffer); no recency window; whole-prompt prefill, compressed once when over K; each policy's own "
+            "protection (R-KV keeps its 8 observation tokens); T = 0.6, top-p 0.95",
+            "Zefan-Cai/R-KV README (B_buffer = 128 staging buffer, alpha = 8 observation tokens; temperature 0.6, "
+            "top-p 0.95) and rkv/modeling.py (divide_length 128: update_kv compresses to the budget every 128 "
+            "tokens, the prompt at prefill when it exceeds the budget). R-KV compresses when the sequence length is "
+            "a multiple of 128; here when the cache reaches K + 128 (the same period, another phase).",
+            {"trigger": "interval", "interval": 128, "buffer": 0, "recency": 0, "budget_scope": "all",
+             "block": WHOLE_PROMPT},
+            Sampling(temperature=0.6, top_p=0.95),
+        ),
+        Preset(
             "custom",
             "nothing preset: the EvictionConfig defaults and explicit settings only; greedy",
             "kvscope's EvictionConfig defaults (interval trigger, r = 64, B = 128, no recency window).",
@@ -401,10 +436,13 @@ def add_protocol_arguments(parser, *, sampling: bool = True, default: str = "cus
                         f"(default: {default})")
     parser.add_argument("--buffer", type=non_negative_int, default=None,
                         help="recent buffer r: the r newest tokens are never scored nor evicted, on top of K")
+    parser.add_argument("--interval", type=positive_int, default=None,
+                        help="decode steps between rounds of the interval trigger (default: the buffer r; R-KV: 128)")
     parser.add_argument("--block", type=positive_int, default=None,
                         help="prefill block size B; eviction at every block boundary, prefill peak K + r + B")
     parser.add_argument("--trigger", default=None, choices=TRIGGERS,
-                        help="interval: evict every r steps once the cache reaches K + 2r; step: whenever over K + r")
+                        help="interval: evict every r (--interval) steps once the cache reaches K + 2r (K + r + "
+                        "interval); step: whenever over K + r")
     parser.add_argument("--protect", default=None, choices=PROTECTIONS,
                         help="never evict the whole prompt, the first --n-sinks tokens, or nothing (default: the "
                         "policy's)")
@@ -433,3 +471,13 @@ def add_protocol_arguments(parser, *, sampling: bool = True, default: str = "cus
 def protocol_overrides(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """The protocol settings among parsed CLI arguments (``vars(args)``), None where not given."""
     return {key: arguments.get(key) for key in OVERRIDABLE if key in arguments}
+
+
+# The settings that count tokens of one sequence: none can exceed the model's context (`core.limits`).
+TOKEN_SETTINGS = ("buffer", "interval", "block", "n_sinks", "recency", "query_window")
+
+
+def token_flags(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"--buffer": 64, ...}``: the token-count settings among `settings` by flag (None: not given), for
+    `core.limits.ModelLimits.check_flags`."""
+    return {"--" + key.replace("_", "-"): settings.get(key) for key in TOKEN_SETTINGS}

@@ -32,6 +32,8 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
         budget   int    cache budget in tokens (ignored for the dense rows)
         accuracy float  fraction correct, in [0, 1] (drawn in percent)
         ci_lo, ci_hi  float  the `ci_level` interval of the accuracy, fractions (NaN: no error bar)
+        outside_protocol  str  optional: non-empty where the cell ran outside its policy's protocol
+                      (`core.schemas.Cell.outside_protocol`); such points are circled and the legend says so
     The dense baseline is a dashed horizontal line with its interval as a grey band; if it appears at several
     budgets (copied across budgets) every copy must have the same accuracy. Returns a Figure with one Axes.
     """
@@ -56,8 +58,13 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
             style = series_style(i)
             part = rows[rows["policy"] == policy].sort_values("budget")
             error = 100 * np.vstack([part["accuracy"] - part["ci_lo"], part["ci_hi"] - part["accuracy"]])
-            ax.errorbar(dodged(part["budget"], i, len(policies)), 100 * part["accuracy"].to_numpy(float),
-                        yerr=np.where(np.isfinite(error), error, 0.0), label=policy, **style)
+            x, y = dodged(part["budget"], i, len(policies)), 100 * part["accuracy"].to_numpy(float)
+            outside = outside_protocol(part)
+            label = f"{policy} (circled: outside its protocol)" if outside.any() else policy
+            ax.errorbar(x, y, yerr=np.where(np.isfinite(error), error, 0.0), label=label, **style)
+            if outside.any():
+                ax.scatter(np.asarray(x)[outside], y[outside], marker="o", s=160, facecolors="none",
+                           edgecolors="black", linewidths=1.2, zorder=5)
         budget_axis(ax, rows["budget"])
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]))
@@ -65,6 +72,13 @@ def plot_accuracy_vs_budget(data, *, dense: str = DENSE_POLICY, ci_level: float 
             ax.set_title(title)
         fig.legend(loc="outside right upper", title=f"policy (bars: {ci_level:.0%} CI)")
     return fig
+
+
+def outside_protocol(rows: pd.DataFrame) -> np.ndarray:
+    """Per row, whether the cell ran outside its policy's protocol (a non-empty ``outside_protocol``)."""
+    if "outside_protocol" not in rows:
+        return np.zeros(len(rows), dtype=bool)
+    return rows["outside_protocol"].fillna("").astype(str).str.strip().ne("").to_numpy()
 
 
 def _draw(table: pd.DataFrame, args: argparse.Namespace):

@@ -213,8 +213,11 @@ class Schedule:
     recency: int
 
     @classmethod
-    def of(cls, config: EvictionConfig, protect: str, prompt_len: int) -> Schedule:
-        resolved = sequence_budgets([int(config.budget)], [prompt_len], protect, config)
+    def of(cls, config: EvictionConfig, protect: str, prompt_len: int,
+           kept_recent: Callable[[int], int] | None = None) -> Schedule:
+        """The schedule of a sequence with a `prompt_len`-token prompt; `kept_recent` is the policy's own
+        `Policy.kept_recent` (the newest tokens it keeps, which widen the recency window)."""
+        resolved = sequence_budgets([int(config.budget)], [prompt_len], protect, config, kept_recent=kept_recent)
         return cls(config, resolved.budgets[0], resolved.limits[0], resolved.recency[0])
 
 
@@ -231,7 +234,7 @@ def eviction_rounds(prompt_len: int, end: int, schedule: Schedule) -> list[int]:
         produced = next_pos
         plan = plan_round(slots=n, n_valid=[n], next_pos=[next_pos], limits=[schedule.limit],
                           budgets=[schedule.budget], buffer=config.buffer, recency=[schedule.recency],
-                          trigger=config.trigger, boundary=boundary)
+                          trigger=config.trigger, boundary=boundary, interval=config.interval)
         if plan is not None:
             n = plan.n_keep[0]
             fired.append(next_pos)
@@ -256,8 +259,9 @@ def resolve_gap(layout: Layout, distance: Distance, schedule: Schedule) -> Layou
         return fact_rounds(eviction_rounds(layout.stub, trial.value_start, schedule), trial, schedule)
 
     config = schedule.config
-    high = (schedule.budget + 2 * config.buffer + (distance.amount + 2) * (config.buffer + schedule.recency + 1)
-            + layout.box)
+    # a round at most every `period` steps, each reaching back past the buffer and the recency window
+    span = config.buffer + config.period + schedule.recency + 1
+    high = schedule.budget + config.buffer + config.period + (distance.amount + 2) * span + layout.box
     if count(high) < distance.amount:
         raise UsageError(f"--distance {distance}: the protocol fires fewer than {distance.amount} rounds within "
                          f"{high} tokens (budget {schedule.budget}, buffer {config.buffer}, trigger {config.trigger})")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,7 @@ from core.rundir import RunDir
 from core.schemas import ProbeRow
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
-from evictor.policy import get_policy, policy_names
+from evictor.policy import configured_policy, policy_names
 from probes._eviction_probe import (
     CHANCE,
     SERIAL,
@@ -76,13 +77,32 @@ SCRIPT = Script(fact="\nThe passcode is {value}.", question="\nWhat was the pass
 FULL = "full"
 
 
+def parse_condition(text: str) -> tuple[str, dict[str, Any]]:
+    """A ``--policy`` entry, ``name`` or ``name:key=value[:key=value...]``, as (policy name, parameters); a value
+    is read as JSON (``lam=0.5`` is a number) and otherwise kept as text. The entry itself names the condition."""
+    name, *settings = text.split(":")
+    params: dict[str, Any] = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--policy {text!r}: parameters are key=value, got {setting!r}")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return name, params
+
+
 def parse_policies(text: str, names: list[str]) -> list[str]:
     chosen = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     if not chosen:
         raise UsageError(f"--policy {text!r}: give at least one policy name")
-    for name in chosen:
+    for condition in chosen:
+        name, params = parse_condition(condition)
         if name not in names:
             raise unknown_choice("policy", name, names)
+        if params:
+            configured_policy(name, params, "--policy")  # an unknown or bad parameter fails here, before any work
     return chosen
 
 
@@ -128,7 +148,8 @@ class PasscodeWorker(ProbeWorker):
 
 def passcode_engines(lm, config: PasscodeConfig) -> dict[str, EvictionEngine]:
     eviction = config.eviction()
-    return {name: EvictionEngine(lm, get_policy(name), eviction) for name in config.policies if name != FULL}
+    return {condition: EvictionEngine(lm, configured_policy(*parse_condition(condition), "--policy"), eviction)
+            for condition in config.policies if condition != FULL}
 
 
 def load_passcode_worker(config: PasscodeConfig) -> PasscodeWorker:
@@ -148,7 +169,8 @@ def run_passcode_batch(plan: PasscodePlan, worker: PasscodeWorker, unit: Passcod
         engine = worker.engines[unit.policy]
         with worker.decode_bar(layout.total - layout.stub - 1, unit.policy) as bar:
             forced = run_forced(engine, plan.stub, bodies, layout.value, watch, unit.seed, bar.update)
-        rounds = fact_rounds(forced.rounds, layout, Schedule.of(engine.config, engine.protect, layout.stub))
+        rounds = fact_rounds(forced.rounds, layout, Schedule.of(engine.config, engine.protect, layout.stub,
+                                                                engine.policy.kept_recent))
     return [{"policy": unit.policy, "id": inst.id, "index": inst.index, "value": inst.value,
              "filler": list(inst.filler_ids), "seed": unit.seed, "batch": list(unit.indices), "fact_rounds": rounds,
              "round_positions": forced.rounds, **outcome(lm.tokenizer, forced, k, inst.body[-layout.value:])}
@@ -229,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         "it, and measure per policy whether the model still reproduces it (retrieval, mean log p).",
     )
     p.add_argument("--policy", default="random",
-                   help="policies, comma-separated (any registered name, python -m evictor.policies); 'full' is the "
-                   "dense run, always reported (default: random)")
+                   help="policies, comma-separated (any registered name, python -m evictor.policies), each with "
+                   "optional parameters as name:key=value[:key=value] (e.g. r_kv:lam=0.5), the entry naming its "
+                   "row; 'full' is the dense run, always reported (default: random)")
     p.add_argument("--rounds", type=positive_int, default=8,
                    help="eviction rounds that see the whole passcode box as a candidate before the question is "
                    "answered (default: 8)")

@@ -19,7 +19,7 @@ from evictor.calibration import CalibratedPolicy
 from evictor.engine import FROZEN, EvictionEngine, select_slots
 from evictor.instrument import kept_positions
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
-from evictor.protocol import EvictionConfig, plan_round, resolve_budget, sequence_budgets
+from evictor.protocol import EvictionConfig, plan_round, resolve_budget, resolve_protocol, sequence_budgets
 from models.attention import group_mean
 from models.hooks import decoder_layers
 from models.tiny import tiny_model
@@ -122,6 +122,22 @@ def test_plan_round_interval_and_step_by_hand():
     # a recency window of 1 counts in K: the candidates shrink by one slot and one fewer survives
     plan = plan_round(**dict(common, recency=[1]), trigger="interval", boundary=False)
     assert (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0], plan.n_keep[0]) == (2, 7, 2, 7)
+
+
+def test_plan_round_interval_period_apart_from_the_buffer_by_hand():
+    # R-KV's staging buffer: K = 5, no unscored buffer, a round every 3 steps: fires from K + 0 + 3 = 8 tokens and
+    # scores every unprotected token (2 protected: candidates are slots 2..7, K - 2 = 3 survive, 5 remain)
+    common = dict(slots=8, n_valid=[8], next_pos=[8], limits=[2], budgets=[5], buffer=0, recency=[0])
+    plan = plan_round(**common, trigger="interval", boundary=False, interval=3)
+    assert plan.n_keep == (5,) and (plan.cand_start[0], plan.cand_end[0], plan.keep_cand[0]) == (2, 8, 3)
+    assert plan_round(**dict(common, slots=7, n_valid=[7], next_pos=[7]), trigger="interval", boundary=False,
+                      interval=3) is None
+    config = EvictionConfig(buffer=0, interval=128)
+    assert config.period == 128 and EvictionConfig(buffer=64).period == 64
+    with pytest.raises(UsageError, match="interval must be >= 1"):
+        EvictionConfig(interval=0)
+    preset = resolve_protocol("r_kv").config
+    assert (preset.trigger, preset.interval, preset.buffer, preset.recency) == ("interval", 128, 0, 0)
 
 
 def test_plan_round_batch_with_padding_by_hand():
@@ -574,7 +590,9 @@ def test_eager_and_sdpa_keep_the_same_slots(name, peaked_llama):
     eager = tiny_model("llama", seed=0, initializer_range=0.1, attn_implementation="eager")
     prompt = ids_of(peaked_llama, "Let x = 7")
     config = EvictionConfig(budget=24, buffer=4, block=8, keep_log=True, seed=3)
-    logs = [_forced_run(lm, get_policy(name), prompt, FORCED, config).keep_log.for_sequence(0)
+    # SnapKV keeps its observation window inside K: its default 32 tokens would not fit K = 24
+    params = {"window": 8} if name == "snapkv" else {}
+    logs = [_forced_run(lm, get_policy(name, **params), prompt, FORCED, config).keep_log.for_sequence(0)
             for lm in (eager, peaked_llama)]
     assert len(logs[0]["round_step"]) >= 3
     for field_name in ("round", "layer", "head", "position", "round_step"):

@@ -156,7 +156,7 @@ def test_fractional_budget_from_a_dense_reference_and_policy_config(tiny_dir, da
     dense = tmp_path / "dense"
     assert run(tiny_dir, data_file, dense, "--policy", "full") == 0
     config = tmp_path / "rkv.json"
-    config.write_text(json.dumps({"policy": "r_kv", "params": {"lam": 0.5}}))
+    config.write_text(json.dumps({"policy": "r_kv", "params": {"lam": 0.5, "window": 2}}))  # its window fits K
     out = tmp_path / "frac"
     fraction = ("--budget", "0.5", "--reference", str(dense), "--protect", "sinks", "--on-long-prompt", "sinks")
     assert run(tiny_dir, data_file, out, "--policy-config", str(config), *fraction) == 0

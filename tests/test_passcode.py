@@ -16,7 +16,7 @@ import torch
 from core.errors import UsageError
 from core.schemas import ProbeRow, as_json
 from evictor.policy import policy_names
-from probes.passcode import PasscodeConfig, main, parse_policies, run_passcode
+from probes.passcode import PasscodeConfig, main, parse_condition, parse_policies, run_passcode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,20 @@ def test_parse_policies():
         parse_policies("random,randon", names)
     with pytest.raises(UsageError, match="at least one"):
         parse_policies(" , ", names)
+
+
+def test_a_condition_gives_its_policy_parameters():
+    names = policy_names()
+    assert parse_condition("r_kv:lam=0.5:pooling=avg") == ("r_kv", {"lam": 0.5, "pooling": "avg"})
+    assert parse_condition("h2o") == ("h2o", {})
+    # the same policy at two settings is two conditions, each named by its entry
+    assert parse_policies("r_kv,r_kv:lam=0.5", names) == ["r_kv", "r_kv:lam=0.5"]
+    with pytest.raises(UsageError, match="key=value"):
+        parse_policies("r_kv:lam", names)
+    with pytest.raises(UsageError, match="lam must be in"):
+        parse_policies("r_kv:lam=2", names)
+    with pytest.raises(UsageError, match="unexpected keyword"):
+        parse_policies("r_kv:alpha=1", names)
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,7 @@ def inputs_for(vectors: torch.Tensor, **extra) -> ScoreInputs:
         cache_keys=vectors,
         cache_values=vectors,
         cache_mask=torch.ones(b, h, n, dtype=torch.bool),
+        cache_positions=torch.arange(n).expand(b, h, n),
     )
     return ScoreInputs(**{**defaults, **extra})
 
@@ -296,6 +297,35 @@ def test_r_kv_matches_the_authors_formula_by_hand():
     # within a pair, lam 1 keeps the attended ones)
     scores = policy.score(inputs).flatten()
     assert scores[2] > scores[0] and scores[3] > scores[1]
+    # with the candidates the whole cache, the earlier kvscope port (r_kv_mean) computes the same scores
+    assert torch.allclose(get_policy("r_kv_mean", kernel=3).score(inputs), policy.score(inputs))
+
+
+def test_r_kv_reads_its_redundancy_over_every_resident_key():
+    """The authors' cal_similarity runs over the whole cache (observation window included), softmax over it, and is
+    read at the candidates; r_kv_mean runs it over the candidates alone."""
+    # cache: candidates at positions 0, 1 (keys e1, e2) and a resident window key at position 2 (e1 again)
+    cache = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])[None, None]
+    # C (diagonal 0): C01 = 0, C02 = 1, C12 = 0. Duplicates > .5: 0 <-> 2; row 0 exempts its newest duplicate,
+    # slot 2 (C02 := 0), row 2 exempts slot 0 (C20 := 0): every entry is 0, column means 0, softmax 1/3 each.
+    inputs = inputs_for(cache[:, :, :2], cache_keys=cache, cache_mask=torch.ones(1, 1, 3, dtype=torch.bool),
+                        cache_positions=torch.arange(3).view(1, 1, 3),
+                        attention=torch.tensor([[[[0.5, 0.5]]]]))
+    assert torch.allclose(get_policy("r_kv").redundancy(inputs).flatten(), torch.full((2,), 1 / 3))
+    # over the candidates alone: C01 = 0 and no duplicate: column means 0, softmax 1/2 each
+    assert torch.allclose(get_policy("r_kv_mean").redundancy(inputs).flatten(), torch.full((2,), 1 / 2))
+    assert get_policy("r_kv").needs.attention_group == "max_logits"
+    assert get_policy("r_kv_mean").needs.attention_group == "mean"
+    assert (get_policy("r_kv").kept_recent(512), get_policy("r_kv_mean").kept_recent(512)) == (8, 0)
+
+
+def test_h2o_split_keeps_its_recent_share_and_no_sinks():
+    policy = get_policy("h2o_split")
+    assert (policy.default_protection, policy.kept_recent(256), policy.kept_recent(255)) == ("none", 128, 127)
+    assert get_policy("h2o").kept_recent(256) == 0 and get_policy("h2o").default_protection == "sinks"
+    assert get_policy("h2o_split", recent_share=0.25).kept_recent(100) == 25
+    with pytest.raises(UsageError, match="recent_share"):
+        get_policy("h2o_split", recent_share=1.0)
 
 
 def test_vase_pins_sinks_keeps_a_quarter_by_value_range_then_samples_by_attention():
@@ -416,9 +446,13 @@ def test_cli_lists_every_policy():
     done = subprocess.run([sys.executable, "-m", "evictor.policies"], capture_output=True, text=True, check=True)
     header, *rows = done.stdout.splitlines()
     assert [row.split()[0] for row in rows] == policy_names()
-    assert header.split()[:7] == ["policy", "reads", "FA", "heads", "layers", "protect", "citation"]
+    assert header.split()[:8] == ["policy", "reads", "FA", "heads", "layers", "protect", "defined-for", "citation"]
     epikv = next(row for row in rows if row.startswith("epikv "))
     assert "hidden resid_pre L10,21" in epikv and " yes " in epikv and " shared " in epikv
+    assert " prompt  " in epikv.split("L10,21")[1]  # default protection, and defined for the prompt only
+    snapkv = next(row for row in rows if row.startswith("snapkv "))
+    assert "none + newest 32 (own)" in snapkv  # its observation window, kept by the policy itself
+    assert "group max logit" in next(row for row in rows if row.startswith("r_kv "))
 
 
 def test_cli_one_policy_and_unknown_name(capsys):

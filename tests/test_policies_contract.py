@@ -93,6 +93,7 @@ def score_inputs(policy: Policy, stream: Stream, seed: int = 0) -> ScoreInputs:
         cache_keys=stream.keys if needs.cache and needs.keys else None,
         cache_values=stream.values if needs.cache and needs.values else None,
         cache_mask=cache_mask if needs.cache else None,
+        cache_positions=torch.arange(T, dtype=positions.dtype).expand(B, H, T) if needs.cache else None,
         attention=attention,
         query_positions=query_positions,
         refreshed=refreshed,
@@ -147,12 +148,13 @@ def run(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[P
     return policy, inputs, policy.score(inputs)
 
 
-def test_registry_holds_the_27_policies():
+def test_registry_holds_the_29_policies():
     assert sorted(policy_names()) == sorted([
         "full", "streaming_llm", "recency", "random", "random_unprotected", "random_shared",
         "keynorm", "keydiff", "manifoldkv", "valuediff", "valuediff_dir", "valuediff_norm",
         "kv_key", "kv_val", "lag_kv", "epikv_raw", "epikv",
-        "h2o", "tova", "snapkv", "r_kv", "vase", "fastcaote", "raas", "longflow", "triattention", "thinkv",
+        "h2o", "h2o_split", "tova", "snapkv", "r_kv", "r_kv_mean", "vase", "fastcaote", "raas", "longflow",
+        "triattention", "thinkv",
     ])
 
 
@@ -162,6 +164,8 @@ def test_metadata(name):
     assert isinstance(policy, POLICIES[name]) and policy.name == name
     assert policy.citation, "every policy cites its paper and equation"
     assert policy.default_protection in ("prompt", "sinks", "none")
+    assert policy.defined_for is None or (set(policy.defined_for) <= {"prompt", "sinks", "none"} and policy.defined_by)
+    assert policy.kept_recent(256) >= 0
     assert policy.needs.queries_window >= 0
     assert policy.needs.cache <= (policy.needs.keys or policy.needs.values), "cache means need keys or values"
     json.dumps(policy.config())  # saved with every run's config

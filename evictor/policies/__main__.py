@@ -1,5 +1,5 @@
 """List the registered eviction policies: what each reads, FlashAttention compatibility, head and layer sharing,
-default protection and citation.
+protection (where it comes from), the protections the method is defined for, and citation.
 
     python -m evictor.policies                 # one table row per policy
     python -m evictor.policies --name epikv    # one policy in full (parameters, deviations)
@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from core.cli import main_guard
+from core.cli import ArgumentParser, main_guard
 from core.errors import unknown_choice
 from evictor.policy import POLICIES, Policy, get_policy, policy_names
 
@@ -31,8 +31,19 @@ def reads(policy: Policy) -> str:
     elif needs.attention:
         window = {0: "all queries since entry", 1: "last query"}.get(needs.queries_window)
         window = window or f"last {needs.queries_window} queries"
-        parts.append(f"attention ({window})")
+        group = ", group max logit" if needs.attention_group == "max_logits" else ""
+        parts.append(f"attention ({window}{group})")
     return "; ".join(parts) or "nothing beyond positions"
+
+
+def protection(policy: Policy) -> str:
+    """Where the policy's protection comes from: the engine's default protection for it (prompt / sinks / none,
+    overridable by the run) plus the newest tokens the policy itself keeps under every protocol (`kept_recent`)."""
+    small, large = policy.kept_recent(256), policy.kept_recent(1024)
+    if not large:
+        return policy.default_protection
+    own = f"newest {large}" if small == large else f"newest {large / 1024:g} K"
+    return f"{policy.default_protection} + {own} (own)"
 
 
 def describe(name: str) -> dict[str, Any]:
@@ -43,7 +54,9 @@ def describe(name: str) -> dict[str, Any]:
         "fa_compatible": policy.needs.fa_compatible,
         "heads": "shared" if policy.shared_across_heads else "per-head",
         "layers": "shared" if policy.shared_across_layers else "per-layer",
-        "protection": policy.default_protection,
+        "protection": protection(policy),
+        "defined_for": "any" if policy.defined_for is None else "/".join(policy.defined_for),
+        "defined_by": policy.defined_by,
         "frozen_at_generation": type(policy).observe is not Policy.observe,
         "evicts": not policy.scores_nothing,
         "citation": policy.citation,
@@ -54,7 +67,7 @@ def describe(name: str) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     columns = [("name", "policy"), ("reads", "reads"), ("fa", "FA"), ("heads", "heads"), ("layers", "layers"),
-               ("protection", "protect"), ("citation", "citation")]
+               ("protection", "protect"), ("defined_for", "defined-for"), ("citation", "citation")]
     cells = [{**row, "fa": "yes" if row["fa_compatible"] else "no"} for row in rows]
     widths = {key: max(len(title), *(len(str(cell[key])) for cell in cells)) for key, title in columns[:-1]}
     lines = ["  ".join(title.ljust(widths.get(key, 0)) for key, title in columns).rstrip()]
@@ -63,20 +76,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _run(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m evictor.policies",
         description="List the registered KV-cache eviction policies. Columns: what the policy reads (keys, values, "
         "the resident cache's mean, hidden-state layers, attention), FA = FlashAttention-compatible (never reads "
         "attention), heads = one keep set per KV head or shared by all heads, layers = one keep set per layer or "
-        "shared by all layers, protect = default protection "
-        "(prompt / sinks / none), citation = paper and equation.",
+        "shared by all layers, protect = the engine's default protection for it (prompt / sinks / none, which a "
+        "run may override) plus '(own)': the newest tokens the policy itself keeps under every protocol, inside K "
+        "(an observation window, a recent share of K), defined-for = the protections the method is defined for (a "
+        "run under another one is marked outside its protocol), citation = paper and equation.",
     )
     parser.add_argument("--name", help="show one policy in full: parameters, citation and deviations from the paper")
     parser.add_argument(
         "--json", action="store_true", help="print JSON (a list of policies, or one object) instead of a table"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     names = policy_names()
     if args.name is not None and args.name not in POLICIES:

@@ -8,6 +8,7 @@ there is one) and where it departs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +41,11 @@ class H2O(Policy):
     citation = f"Zhang et al. 2023, H2O (NeurIPS); {RANDOM_ATTENTION}: s_i = sum_(t'=i..t) alpha_i^(t')"
     deviations = (
         "Follows FMInference/H2O (H2OKVCache_LayerWise): per-head sums of the probabilities every query gave the "
-        "key since it entered. Sinks + the recent window are protected, as EpiKV App. 9 runs it (the original keeps "
-        "heavy hitters + a recent window, no sinks); scored at the engine's eviction rounds. " + GROUP_MEAN
+        "key since it entered. Protection is EpiKV's variant (App. 9): 4 sinks + the engine's buffer / recency "
+        "window; the original splits K into heavy hitters and its own recent window, no sinks (h2o_split). Scored "
+        "at the engine's eviction rounds. kvpress's ObservedAttentionPress is not this score: it divides each key's "
+        "sum by the number of queries that saw it (bench/kvpress_compare.py kept shows the kept sets differ). "
+        + GROUP_MEAN
     )
     default_protection = "sinks"
 
@@ -54,6 +58,30 @@ class H2O(Policy):
         return att.cumulative_attention(attn)
 
 
+@register_policy("h2o_split")
+@dataclass
+class H2OSplit(H2O):
+    """H2O with its own protocol: the budget split into a recent window of ``floor(recent_share * K)`` newest
+    tokens, kept by the policy under every protocol (`kept_recent`), and heavy hitters (the highest accumulated
+    attention) for the rest; no sinks. `h2o` is EpiKV's variant (sinks + the engine's buffer)."""
+
+    recent_share: float = 0.5
+    deviations = (
+        "Follows FMInference/H2O (H2OKVCache_LayerWise: hh_size heavy hitters + recent_size recent tokens, equal "
+        "shares in the paper's runs, recent_share = 0.5): the recent window is the policy's own protection, inside "
+        "K; the engine's buffer, when the protocol has one, keeps the newest tokens on top of K as well. Scored at "
+        "the engine's eviction rounds (H2O evicts one token per step). " + GROUP_MEAN
+    )
+    default_protection = "none"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recent_share < 1.0:
+            raise UsageError(f"{self.name}: recent_share must be in [0, 1), got {self.recent_share}")
+
+    def kept_recent(self, budget: int) -> int:
+        return math.floor(self.recent_share * budget)
+
+
 @register_policy("tova")
 @dataclass
 class TOVA(Policy):
@@ -63,7 +91,10 @@ class TOVA(Policy):
     citation = "Oren et al. 2024, Transformers are multi-state RNNs (TOVA); ValueDiff §2.1: s_i = last query's alpha_i"
     deviations = (
         "Follows schwartz-lab-NLP/TOVA (TOVACache.reduce): the last query's attention averaged over the query heads, "
-        "one keep set for the layer; evaluated at the engine's eviction rounds rather than at every step."
+        "one keep set for the layer; evaluated at the engine's eviction rounds rather than at every step. The "
+        "newest token is scored like any other, as in TOVACache; kvpress's TOVAPress always keeps it, the one "
+        "difference between the two kept sets (bench/kvpress_compare.py kept: with a recency window of 1, "
+        "tova_newest, they are identical)."
     )
     shared_across_heads = True
     default_protection = "none"
@@ -82,7 +113,8 @@ class TOVA(Policy):
 @dataclass
 class SnapKV(Policy):
     """SnapKV: attention from the last `window` queries (the observation window, 32), summed, averaged over
-    `kernel` (5) neighbouring candidates."""
+    `kernel` (5) neighbouring candidates. The observation window itself is always kept, under every protocol
+    (`kept_recent`): it is SnapKV's own protection, inside the budget."""
 
     window: int = att.SNAPKV_WINDOW
     kernel: int = att.SNAPKV_KERNEL
@@ -90,15 +122,21 @@ class SnapKV(Policy):
     citation = f"Li et al. 2024, SnapKV (NeurIPS); {RANDOM_ATTENTION}: s_i = sum over the last w queries, pooled"
     deviations = (
         "Follows FasterDecoding/SnapKV (SnapKVCluster.update_kv, init_snapkv): window 32, avg_pool1d kernel 5 "
-        "(divisor 5 at the edges), probabilities over the whole cache summed over the window. Applied at every "
-        "decode-time eviction round (SnapKV compresses the prompt once); pooling neighbours are adjacent candidate "
-        "slots. Random Attention's engine averages the 64 buffered queries' attention renormalised over the "
-        "candidates (window=64 comes closest). " + GROUP_MEAN + " " + SCORE_DECIDES
+        "(divisor 5 at the edges), probabilities over the whole cache summed over the window, the window's 32 "
+        "tokens kept inside K (the policy's own protection, not the engine buffer's, so it holds under every "
+        "protocol; the engine's buffer, when larger, keeps them already). Applied at every decode-time eviction "
+        "round (SnapKV compresses the prompt once); pooling neighbours are adjacent candidate slots. Random "
+        "Attention's engine averages the 64 buffered queries' attention renormalised over the candidates "
+        "(window=64 comes closest). " + GROUP_MEAN + " (averaging the pooled scores of the group, as kvpress "
+        "does, is the same: average pooling is linear) " + SCORE_DECIDES
     )
     default_protection = "none"
 
     def __post_init__(self) -> None:
         _check_window(self, self.window, self.kernel, self.pooling)
+
+    def kept_recent(self, budget: int) -> int:
+        return self.window
 
     @property
     def needs(self) -> Needs:
@@ -112,11 +150,13 @@ class SnapKV(Policy):
 @register_policy("r_kv")
 @dataclass
 class RKV(Policy):
-    """R-KV: ``lam * importance_i - (1 - lam) * redundancy_i`` (Cai et al. 2025), both terms distributions over the
-    candidates: importance = the last `window` (8) queries' attention renormalised over the candidates, averaged,
-    max-pooled over `kernel` (7) neighbours; redundancy = softmax of each key's mean cosine to the other candidate
-    keys, where each key's most recent duplicate (cosine > `threshold`) is exempt (`probes.signals.kv.rkv_redundancy`).
-    lam = 0.1 as the authors recommend; Random Attention's tables use lam = 0.5."""
+    """R-KV as its authors compute it: ``lam * importance_i - (1 - lam) * redundancy_i`` (Cai et al. 2025).
+    importance = the last `window` (8) queries' attention, each KV head's query group reduced to its maximum logit
+    before the softmax, renormalised over the candidates, averaged over the queries, max-pooled over `kernel` (7)
+    neighbours; redundancy = softmax over every resident key of its mean cosine to the other resident keys, each
+    key's most recent duplicate (cosine > `threshold`) exempt (`probes.signals.kv.rkv_redundancy`), read at the
+    candidates. The `window` observation tokens are always kept (`kept_recent`), inside K. lam = 0.1 as the authors
+    recommend; Random Attention's tables use lam = 0.5. `r_kv_mean` is the earlier kvscope variant."""
 
     lam: float = 0.1
     window: int = 8
@@ -125,16 +165,19 @@ class RKV(Policy):
     threshold: float = 0.5
     citation = (
         "Cai et al. 2025, R-KV: redundancy-aware KV cache compression for reasoning models (Zefan-Cai/R-KV, "
-        "R1KV.update_kv): s_i = lam maxpool(a)_i - (1 - lam) softmax(c)_i; written lam s_snap_i + (1 - lam)(1 - c_i) "
-        f"in the {RANDOM_ATTENTION}"
+        "R1KV.update_kv, compute_attention_scores, cal_similarity): s_i = lam maxpool(a)_i - (1 - lam) softmax(c)_i; "
+        f"written lam s_snap_i + (1 - lam)(1 - c_i) in the {RANDOM_ATTENTION}"
     )
     deviations = (
-        "Follows the authors' repository: window 8, max_pool1d kernel 7, softmax of the attention over the scored "
-        "keys, threshold 0.5 with the newest duplicate exempt, softmax of the mean similarity, lam 0.1 (README). "
-        "Departures: the authors max-pool the GQA group's logits before the softmax, here the group's probabilities "
-        "are averaged; the similarity matrix and its softmax run over the candidates (as Random Attention's audited "
-        "port does) rather than also over R-KV's 8 observation-window keys. Random Attention's own R-KV column is a "
-        "different port (64-query mean, avg-pool 5, no duplicate exemption, lam 0.5). " + SCORE_DECIDES
+        "Follows the authors' repository: the group's maximum logit before the softmax (compute_attention_scores, "
+        "pooling='max'), softmax over the scored keys, the mean of the 8 observation queries, max_pool1d kernel 7; "
+        "the similarity matrix and its softmax over every resident key (observation window included) read at the "
+        "candidates, threshold 0.5 with the newest duplicate exempt; the 8 observation tokens kept inside K; lam "
+        "0.1 (README; the repository's command-line default is 0.07). Departures: a key with no duplicate exempts "
+        "nothing (the repository then zeroes its similarity to slot 0); the repository's staging buffer (compress "
+        "every 128 generated tokens, scoring all but the 8 newest) is the protocol's trigger and buffer, not the "
+        "policy's; protected tokens (none by default) are never candidates. Random Attention's own R-KV column is "
+        "a different port (64-query mean, avg-pool 5, no duplicate exemption, lam 0.5). " + SCORE_DECIDES
     )
     default_protection = "none"
 
@@ -145,16 +188,53 @@ class RKV(Policy):
         if not -1.0 <= self.threshold <= 1.0:
             raise UsageError(f"{self.name}: threshold is a cosine, in [-1, 1]; got {self.threshold}")
 
+    def kept_recent(self, budget: int) -> int:
+        return self.window
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(keys=True, cache=True, attention=True, queries_window=self.window, attention_group="max_logits")
+
+    def redundancy(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The redundancy of each candidate, computed over every resident key and read at the candidates."""
+        cache, mask, cache_positions = require(self, inputs, "cache_keys", "cache_mask", "cache_positions")
+        every = rkv_redundancy(cache, mask, self.threshold)  # [b, kv, slots]
+        # Slots are sorted by position (padding, -1, first), so a candidate's slot is found by its position.
+        slot = torch.searchsorted(cache_positions.contiguous(), inputs.positions.contiguous())
+        return every.gather(-1, slot.clamp_max(every.shape[-1] - 1))
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        (attn,) = require(self, inputs, "attention")
+        mask = inputs.candidate_mask
+        attention = att.candidate_attention(attn, self.window, mask)
+        importance = att.pool_keys(attention, self.kernel, mask, self.pooling)
+        return att.r_kv_scores(importance, self.redundancy(inputs), self.lam)
+
+
+@register_policy("r_kv_mean")
+@dataclass
+class RKVMean(RKV):
+    """R-KV as kvscope first ported it: the query group's probabilities averaged after the softmax, the redundancy's
+    similarity matrix and softmax over the candidates only, and no kept observation window (the protocol's buffer
+    decides about the newest tokens). Kept to restate findings measured with it (the old value of P2)."""
+
+    citation = RKV.citation
+    deviations = (
+        "The authors max the GQA group's logits before the softmax; here the group's probabilities are averaged. "
+        "The similarity matrix and its softmax run over the candidates (as Random Attention's audited port does) "
+        "rather than over every resident key. The observation window is not kept by the policy. Otherwise as r_kv."
+    )
+
+    def kept_recent(self, budget: int) -> int:
+        return 0
+
     @property
     def needs(self) -> Needs:
         return Needs(keys=True, attention=True, queries_window=self.window)
 
-    def score(self, inputs: ScoreInputs) -> torch.Tensor:
-        attn, keys = require(self, inputs, "attention", "keys")
-        mask = inputs.candidate_mask
-        attention = att.candidate_attention(attn, self.window, mask)
-        importance = att.pool_keys(attention, self.kernel, mask, self.pooling)
-        return att.r_kv_scores(importance, rkv_redundancy(keys, mask, self.threshold), self.lam)
+    def redundancy(self, inputs: ScoreInputs) -> torch.Tensor:
+        (keys,) = require(self, inputs, "keys")
+        return rkv_redundancy(keys, inputs.candidate_mask, self.threshold)
 
 
 @register_policy("vase")
@@ -242,6 +322,8 @@ class RaaS(Policy):
         "(exact under every kernel), per KV head on the GQA group-averaged probabilities."
     )
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "RaaS and EpiKV App. 9: the prefill is kept"
 
     def __post_init__(self) -> None:
         if self.threshold < 0:

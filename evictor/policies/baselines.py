@@ -36,6 +36,8 @@ class Recency(Policy):
     citation = "Random Attention notes §3.1 table (Recency+prompt): s_i = i"
     shared_across_heads = True  # a per-position rule: every head keeps the same positions
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "Random Attention notes §3.1 table: Recency+prompt"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return inputs.positions.float()
@@ -56,6 +58,8 @@ class StreamingLLM(Recency):
         "re-numbers positions inside the cache)."
     )
     default_protection = "sinks"
+    defined_for = ("sinks",)
+    defined_by = "Xiao et al. 2024: attention sinks + a recent window"
 
 
 @register_policy("random")
@@ -70,6 +74,8 @@ class RandomAttention(Policy):
         "KV head at every round, the prompt forced in. Draws come from the run's seeded generator, on (0, 1]."
     )
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "Random Attention §3.2: prompt s_i = +inf; random_unprotected is the method without the rule"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:
         return uniform(self, inputs, tuple(inputs.positions.shape))
@@ -82,6 +88,7 @@ class RandomUnprotected(RandomAttention):
 
     citation = "Random Attention (arXiv 2609.03430) Table 2: Random Attention without the prompt rule"
     default_protection = "none"
+    defined_for = None
 
 
 @register_policy("random_shared")

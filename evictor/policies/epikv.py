@@ -48,6 +48,8 @@ class _RollingVariance(Policy):
         "post-RoPE as a null result, App. 10). The rolling mean runs over one stream per (sequence, head)."
     )
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "EpiKV footnote 1 and App. 9: the hidden-state and KV-vector families keep the prompt"
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -102,6 +104,8 @@ class LagKV(Policy):
         "head, with no rolling mean."
     )
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "EpiKV footnote 1 and App. 9: the hidden-state and KV-vector families keep the prompt"
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -153,6 +157,8 @@ class _HiddenBands(Policy):
     shared_across_heads = True  # one score per token, read from the residual stream
     layer_independent = True
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "EpiKV footnote 1 and App. 9: the hidden-state and KV-vector families keep the prompt"
     smoothing: ClassVar[str] = ""  # `probes.signals.hidden.SMOOTHINGS`: "mean" (eq. 1) or "z" (eq. 2)
 
     def __post_init__(self) -> None:

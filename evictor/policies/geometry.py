@@ -44,7 +44,10 @@ class KeyDiff(Policy):
     citation = "Park et al. 2025, KeyDiff (NeurIPS), §3: s_j = -cos(k_j, anchor), anchor = mean of normalised keys"
     deviations = (
         "Follows the authors' scorer as contributed to NVIDIA/kvpress (KeyDiffPress.score): normalise, average, "
-        "negative cosine; the anchor runs over every resident key (protected and buffered included), post-RoPE. "
+        "negative cosine; the anchor runs over every resident key (protected and buffered included), post-RoPE; "
+        "kept sets identical to KeyDiffPress's at prefill (bench/kvpress_compare.py kept). kvpress's BlockPress "
+        "scores all blocks from one full-prompt forward, where the block prefill here computes each block over the "
+        "compressed cache (ValueDiff §2.2), so the two agree only in layer 0. "
         "ValueDiff §5 describes it loosely as the cosine distance to the mean key. " + NO_PROMPT_RULE
     )
     default_protection = "none"

@@ -120,6 +120,8 @@ class TriAttention(CalibratedPolicy):
         "layers keep out-of-window slots like any other (a layer's own keep set would evict them first)."
     )
     default_protection = "prompt"
+    defined_for = ("prompt",)
+    defined_by = "WeianMao/triattention and Random Attention §4: the prompt is protected"
 
     def __post_init__(self) -> None:
         if self.max_offset < 1:

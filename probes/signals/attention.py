@@ -15,6 +15,15 @@ SNAPKV_KERNEL = 5  # ... pooled with an average over 5 neighbouring keys
 POOLINGS = ("avg", "max")
 
 
+def group_max_probabilities(logits: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """R-KV's GQA aggregation: ``[b, q_head, Q, S]`` logits (-inf where a query does not see a key) ->
+    ``[b, kv_head, Q, S]``, the softmax over the keys of the maximum logit of each KV head's query group
+    (``compute_attention_scores(pooling="max")`` of Zefan-Cai/R-KV, then its softmax). A row that sees no key is 0."""
+    b, n_q, n_queries, n_keys = logits.shape
+    grouped = logits.float().view(b, n_kv, n_q // n_kv, n_queries, n_keys).amax(2)
+    return torch.nan_to_num(grouped.softmax(-1), nan=0.0)
+
+
 def cumulative_attention(attn: torch.Tensor) -> torch.Tensor:
     """H2O: attention each key received, summed over the given queries (every query since its entry, for H2O)."""
     return attn.float().sum(-2)
