@@ -1,44 +1,202 @@
-"""kvscope vs kvpress at the same cache target: decode tokens/s and peak KV-cache size on SmolLM2.
+"""kvscope against kvpress, a second implementation of the same methods: kept sets after prefill, and speed.
 
     bash bench/setup_kvpress.sh            # once: bench/.venv-kvpress (torch 2.13.0, kvpress 0.5.5, transformers<5.3)
-    .venv/bin/python bench/kvpress_compare.py [--target 256] [--interval 16] [--new-tokens 256] [--repeats 3]
+    .venv/bin/python bench/kvpress_compare.py kept [--model smollm2-135m|tiny-llama] [--ctx 1024] [--ratio 0.75]
+    .venv/bin/python bench/kvpress_compare.py speed [--target 256] [--interval 16] [--new-tokens 256] [--repeats 3]
 
 kvscope needs transformers 5.x and kvpress pins transformers < 5.3, so each side runs in its own venv: kvscope in
-this process, kvpress in a subprocess of bench/.venv-kvpress (`_kvpress_side.py`), alternating per repeat. Both load
-the same converted SmolLM2 weights, fp32 SDPA, the same prompt, greedy, exactly --new-tokens new tokens.
+this process, kvpress in a subprocess of bench/.venv-kvpress (`_kvpress_side.py`). Both load the same weights from
+disk (SmolLM2: the converted directory under the kvscope cache; ``tiny-llama``: the random-init tiny Llama saved to a
+temporary directory), fp32, the same prompt token ids (``kept``: ``--ctx`` tokens of the first geometry calibration
+text; ``speed``: the GSM8K-style benchmark prompt).
 
-Matched settings: kvpress `DecodingPress(KnormPress(), compression_interval=I, target_size=T)` compresses every I
-decode steps to T tokens (the prompt is not protected), so its cache oscillates between T and T + I. kvscope runs
-`keynorm` (the same -||k|| score) with K = T - I, buffer r = I, interval trigger, no protection: the cache
-oscillates between K + r = T and K + 2r = T + I. (kvscope never scores the I newest tokens; kvpress may evict them.)
-Decode tokens/s: kvscope's own decode clock; kvpress (N - 1) / (t(N) - t(1)).
+``kept``: for every method both libraries implement, the prompt is prefilled once and compressed once; kvpress
+keeps ``n = compute_n_kept(L, ratio)`` of the L prompt tokens per (layer, KV head) and kvscope runs the matching
+policy with K = n (no buffer, step trigger, one prefill block, no recency window and the policy's own protection
+unless the method names others), so both keep n tokens. The table gives, per method, the Jaccard index
+|A & B| / |A | B| of the two kept position sets over every (layer, KV head) pair: its minimum and mean, and how many
+pairs are identical (in all layers, and in layer 0 alone). ``matched`` methods have the same definition in both
+libraries and must agree on every pair; the others (``difference``) are definitional differences, each written in
+the kvscope policy's deviations.
+``--out`` writes the per-pair Jaccard as CSV.
+
+``speed``: kvpress `DecodingPress(KnormPress(), compression_interval=I, target_size=T)` compresses every I decode
+steps to T tokens (the prompt is not protected), so its cache oscillates between T and T + I. kvscope runs `keynorm`
+(the same -||k|| score) with K = T - I, buffer r = I, interval trigger, no protection: the cache oscillates between
+K + r = T and K + 2r = T + I. (kvscope never scores the I newest tokens; kvpress may evict them.) Decode tokens/s:
+kvscope's own decode clock; kvpress (N - 1) / (t(N) - t(1)); alternating per repeat, greedy, exactly N new tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import subprocess
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from common import ROOT, fixed_prompt, median, set_threads, table
 
 VENV_PYTHON = ROOT / "bench" / ".venv-kvpress" / "bin" / "python"
+SIDE = ROOT / "bench" / "_kvpress_side.py"
+MODELS = ("smollm2-135m", "tiny-llama")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=int, default=256, help="cache target T (default: 256)")
-    parser.add_argument("--interval", type=int, default=16, help="compression interval I (default: 16)")
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    if not VENV_PYTHON.exists():
-        raise SystemExit(f"{VENV_PYTHON} is missing: run bash bench/setup_kvpress.sh first")
-    set_threads(args.threads)
+@dataclass(frozen=True)
+class Method:
+    """One method in both libraries: the kvscope policy (and any protocol settings it is compared under) and the
+    kvpress press; `difference` names the definitional difference when the two are not the same method."""
 
+    name: str
+    policy: str
+    press: str
+    press_params: dict = field(default_factory=dict)
+    protect: str | None = None  # None: the policy's own protection
+    block: int | None = None  # a prefill block size on both sides (kvpress: BlockPress)
+    recency: int = 0  # kvscope's recency window: the newest tokens kept unscored inside K
+    kernel: str = "sdpa"  # kvpress side: "eager" for presses that read returned attention maps
+    difference: str | None = None
+
+    def press_spec(self) -> dict:
+        return {"name": self.name, "press": self.press, "params": self.press_params, "block": self.block,
+                "kernel": self.kernel}
+
+
+METHODS = (
+    Method("snapkv", "snapkv", "SnapKVPress", {"window_size": 32, "kernel_size": 5}),
+    Method("tova", "tova", "TOVAPress",
+           difference="kvpress's TOVAPress always keeps the newest token (its own comment: TOVA does not); kvscope's "
+           "tova scores it like any other, as TOVA's TOVACache does (tova_newest keeps it and must match)"),
+    Method("tova_newest", "tova", "TOVAPress", recency=1),
+    Method("streaming_llm", "streaming_llm", "StreamingLLMPress", {"n_sink": 4}),
+    Method("keydiff", "keydiff", "KeyDiffPress"),
+    Method("keynorm", "keynorm", "KnormPress"),
+    Method("h2o", "h2o", "ObservedAttentionPress", protect="none", kernel="eager",
+           difference="kvpress divides each key's received attention by the number of queries that saw it (a mean "
+           "over L - i queries); H2O sums it, which favours old keys"),
+    Method("keydiff_block128", "keydiff", "KeyDiffPress", block=128,
+           difference="kvpress's BlockPress scores the keys of one full-prompt forward (its own note: not a true "
+           "chunked prefill); kvscope's block prefill computes each block over the compressed cache (ValueDiff "
+           "§2.2), so only layer 0, whose keys do not depend on attention, sees the same keys. With n_kept a "
+           "multiple of the block (256 of 1024) the two block schedules coincide and layer 0 must match"),
+)
+
+
+def jaccard(a: set[int], b: set[int]) -> float:
+    """|a & b| / |a | b| (1.0 for two empty sets)."""
+    union = a | b
+    return len(a & b) / len(union) if union else 1.0
+
+
+def kvpress_kept(model_dir: str, prompt: list[int], ratio: float, methods: tuple[Method, ...],
+                 threads: int = 1) -> dict:
+    """Run the kvpress side (`_kvpress_side.py kept`) in bench/.venv-kvpress; its per-press kept positions."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kept.json"
+        done = subprocess.run(
+            [str(VENV_PYTHON), str(SIDE), "kept", "--model-dir", model_dir, "--prompt-ids", json.dumps(prompt),
+             "--ratio", str(ratio), "--presses", json.dumps([m.press_spec() for m in methods]), "--out", str(out),
+             "--threads", str(threads)],
+            capture_output=True, text=True, env=env,
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"kvpress side failed:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def kvscope_kept(lm, prompt: list[int], budget: int, method: Method) -> list[list[list[int]]]:
+    """The prompt positions each (layer, KV head) keeps after kvscope's prefill round at budget K = `budget`."""
+    from evictor.engine import EvictionEngine
+    from evictor.protocol import WHOLE_PROMPT, EvictionConfig
+
+    config = EvictionConfig(budget=budget, buffer=0, recency=method.recency, trigger="step", protect=method.protect,
+                            block=method.block or WHOLE_PROMPT)
+    engine = EvictionEngine(lm, method.policy, config)
+    with torch.inference_mode(), engine.session([prompt], [budget]) as session:  # no autograd graph kept
+        session.prefill()
+        return [[sorted(p for p in layer.positions[0, head].tolist() if p >= 0)
+                 for head in range(layer.positions.shape[1])] for layer in session.cache.layers]
+
+
+def compare_kept(lm, model_dir: str, prompt: list[int], ratio: float, methods: tuple[Method, ...] = METHODS,
+                 threads: int = 1) -> tuple[list[dict], list[dict]]:
+    """(one summary row per method, one row per method and (layer, KV head) pair) of the two libraries' kept sets."""
+    theirs = kvpress_kept(model_dir, prompt, ratio, methods, threads)
+    summary, pairs = [], []
+    for method in methods:
+        n_kept = theirs[method.name]["n_kept"]
+        ours = kvscope_kept(lm, prompt, n_kept, method)
+        rows = [{"method": method.name, "layer": layer, "head": head, "n_kept": n_kept,
+                 "kvscope_kept": len(mine), "jaccard": jaccard(set(mine), set(other))}
+                for layer, (our_layer, their_layer) in enumerate(zip(ours, theirs[method.name]["kept"]))
+                for head, (mine, other) in enumerate(zip(our_layer, their_layer))]
+        pairs += rows
+        values = [row["jaccard"] for row in rows]
+        summary.append({"method": method.name, "policy": method.policy, "press": method.press, "n_kept": n_kept,
+                        "pairs": len(rows), "identical": sum(v == 1.0 for v in values),
+                        "layer0_identical": sum(row["jaccard"] == 1.0 for row in rows if row["layer"] == 0),
+                        "min_jaccard": min(values),
+                        "mean_jaccard": sum(values) / len(values),
+                        "kind": "difference" if method.difference else "matched", "difference": method.difference})
+    return summary, pairs
+
+
+def load_side_by_side(name: str, workdir: str):
+    """(kvscope's loaded model, the directory kvpress loads the same weights from)."""
+    from models.loading import load_model, locate_weights
+    from models.tiny import save_tiny_model
+
+    if name.startswith("tiny-"):
+        directory = save_tiny_model(name.removeprefix("tiny-"), Path(workdir) / name)
+        return load_model(directory, dtype="float32", attn_implementation="sdpa"), directory
+    directory, _, _ = locate_weights(name)
+    return load_model(name, dtype="float32", attn_implementation="sdpa"), str(directory)
+
+
+def context_prompt(lm, ctx: int) -> list[int]:
+    """`ctx` tokens of natural text (the first geometry calibration sequence), long enough for blocks to matter."""
+    from geometry.calibration import calibration_prompts
+
+    return list(calibration_prompts(lm.tokenizer, 1, ctx)[0].input_ids)
+
+
+def kept_command(args: argparse.Namespace) -> None:
+    chosen = [m for m in METHODS if args.methods is None or m.name in args.methods.split(",")]
+    unknown = set(args.methods.split(",")) - {m.name for m in METHODS} if args.methods else set()
+    if unknown or not chosen:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}; valid: {', '.join(m.name for m in METHODS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        lm, directory = load_side_by_side(args.model, tmp)
+        prompt = context_prompt(lm, args.ctx)
+        summary, pairs = compare_kept(lm, directory, prompt, args.ratio, tuple(chosen), args.threads)
+    print(f"{args.model}: prompt {len(prompt)} tokens, kvpress compression_ratio {args.ratio}, "
+          f"{lm.model.config.num_hidden_layers} layers x {lm.model.config.num_key_value_heads} KV heads")
+    print(table(summary, [("method", "method", "s"), ("press", "kvpress press", "s"), ("n_kept", "kept", "d"),
+                          ("identical", "J = 1 pairs", "d"), ("pairs", "of", "d"),
+                          ("layer0_identical", "J = 1 in layer 0", "d"), ("min_jaccard", "min J", ".3f"),
+                          ("mean_jaccard", "mean J", ".3f"), ("kind", "kind", "s")]))
+    for row in summary:
+        if row["difference"]:
+            print(f"  {row['method']}: {row['difference']}")
+    for row in pairs:
+        if row["jaccard"] < 1.0 and not next(m for m in METHODS if m.name == row["method"]).difference:
+            print(f"  matched method below 1.0: {row['method']} layer {row['layer']} head {row['head']} "
+                  f"J = {row['jaccard']:.3f}")
+    if args.out:
+        with open(args.out, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(pairs[0]))
+            writer.writeheader()
+            writer.writerows(pairs)
+        print(f"per-pair Jaccard written to {args.out}")
+
+
+def speed_command(args: argparse.Namespace) -> None:
     from evictor.engine import EvictionEngine
     from evictor.protocol import EvictionConfig
     from models.loading import load_model
@@ -62,9 +220,9 @@ def main() -> None:
             runs[f"kvscope {name}"].append({"tok_s": stats["decode_tokens_per_s"], "peak_slots": stats["peak_slots"],
                                             "peak_cache_bytes": stats["peak_cache_bytes"]})
         out = subprocess.run(
-            [str(VENV_PYTHON), str(ROOT / "bench" / "_kvpress_side.py"), "--model-dir", str(model_dir),
-             "--prompt-ids", json.dumps(prompt), "--target", str(args.target), "--interval", str(args.interval),
-             "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)],
+            [str(VENV_PYTHON), str(SIDE), "speed", "--model-dir", str(model_dir), "--prompt-ids", json.dumps(prompt),
+             "--target", str(args.target), "--interval", str(args.interval), "--new-tokens", str(args.new_tokens),
+             "--threads", str(args.threads)],
             capture_output=True, text=True, env=side_env,
         )
         if out.returncode != 0:
@@ -88,6 +246,41 @@ def main() -> None:
     ours, theirs = rows[1], rows[3]
     print(f"\nkvscope keynorm / kvpress DecodingPress(Knorm): {ours['tok_s'] / theirs['tok_s']:.3f}x tokens/s, "
           f"{ours['peak_slots'] / theirs['peak_slots']:.3f}x peak cache slots")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    kept = commands.add_parser("kept", help="Jaccard of the kept sets per (layer, KV head) after prefill")
+    kept.add_argument("--model", default="smollm2-135m", choices=MODELS,
+                      help="SmolLM2-135M (its converted directory) or the random-init tiny Llama (default: "
+                      "smollm2-135m)")
+    kept.add_argument("--ctx", type=int, default=1024,
+                      help="prompt tokens: the first geometry calibration text, cut to this length (default: 1024)")
+    kept.add_argument("--ratio", type=float, default=0.75,
+                      help="kvpress compression_ratio: the share of prompt tokens evicted (default: 0.75, which "
+                      "keeps 256 of 1024, a multiple of the 128-token block)")
+    kept.add_argument("--methods", default=None,
+                      help=f"comma list of methods (default: all of {', '.join(m.name for m in METHODS)})")
+    kept.add_argument("--out", default=None, help="CSV file for the per-pair Jaccard (default: none)")
+    speed = commands.add_parser("speed", help="decode tokens/s and peak cache at the same cache target")
+    speed.add_argument("--target", type=int, default=256, help="cache target T (default: 256)")
+    speed.add_argument("--interval", type=int, default=16, help="compression interval I (default: 16)")
+    speed.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default: 256)")
+    speed.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
+    for sub in (kept, speed):
+        sub.add_argument("--threads", type=int, default=1, help="torch threads on each side (default: 1)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if not VENV_PYTHON.exists():
+        raise SystemExit(f"{VENV_PYTHON} is missing: run bash bench/setup_kvpress.sh first")
+    if args.command == "kept" and not 0 < args.ratio < 1:
+        raise SystemExit(f"--ratio must be in (0, 1), got {args.ratio}")
+    set_threads(args.threads)
+    {"kept": kept_command, "speed": speed_command}[args.command](args)
 
 
 if __name__ == "__main__":
