@@ -20,8 +20,11 @@ from torch import nn
 
 from geometry.attention import layer_attention
 from geometry.stats import (
+    FIRST_KEPT_FRACTIONS,
     bos_cosine,
     dispersion,
+    distances_to_mean,
+    first_token_kept,
     jaccard_stability,
     leading_token_attention,
     query_positions,
@@ -31,7 +34,9 @@ from models.attention import LayerSpec
 from models.hooks import capture, decoder_layers, hook_name, layer_specs
 
 KEY_SPACES = ("post_rope", "pre_rope")
-KV_FIELDS = ("sigma_k", "sigma_v", "bos_cos", "sigma1_k", "sigma1_v")  # per (layer, KV head)
+# ValueDiff keeps the leading token at a budget of f of the context (1.0 / 0.0 per sequence), per fraction f
+FIRST_FIELDS = tuple(f"valuediff_first_k{round(100 * f)}" for f in FIRST_KEPT_FRACTIONS)
+KV_FIELDS = ("sigma_k", "sigma_v", "bos_cos", "sigma1_k", "sigma1_v", *FIRST_FIELDS)  # per (layer, KV head)
 Q_FIELDS = ("alpha_bos", "jaccard")  # per (layer, query head)
 
 
@@ -99,6 +104,9 @@ def measure_sequence(model: nn.Module, input_ids: torch.Tensor, settings: Measur
         result["bos_cos"].append(bos_cosine(keys).tolist())
         result["sigma1_k"].append(top_singular_value(keys).tolist())
         result["sigma1_v"].append(top_singular_value(values).tolist())
+        scores = distances_to_mean(values)
+        for name, fraction in zip(FIRST_FIELDS, FIRST_KEPT_FRACTIONS):
+            result[name].append(first_token_kept(scores, fraction).float().tolist())
         attention = layer_attention(
             tensors["q"], tensors["k"], scaling=spec.scaling, sampled=sampled, window=spec.window,
             softcap=spec.softcap, chunk=settings.chunk,

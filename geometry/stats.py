@@ -10,6 +10,9 @@ Every function takes plain tensors and returns plain tensors; nothing here knows
   queries that *can* reach the leading token use it rather than the window size.
 - ``sink_rate``: the fraction of heads whose alpha_BOS exceeds tau (ValueDiff's tau = 0.3).
 - ``jaccard_stability``: Appendix D's top-k attention ranking stability with the shared-prefix rule.
+- ``first_token_kept``: whether a score ranks position 0 among the top ``ceil(f n)`` of n tokens; with
+  ``distances_to_mean`` of the values (ValueDiff's eq. 4 score, the whole context as the cache) it tells whether
+  ValueDiff keeps the leading token (the attention sink) at a budget of a fraction f of the context.
 """
 
 from __future__ import annotations
@@ -21,10 +24,27 @@ import torch
 JACCARD_MARGIN = 32  # Appendix D: the first query needs a KV prefix of at least k + 32 tokens
 
 
+FIRST_KEPT_FRACTIONS = (0.25, 0.5)  # budgets, as fractions of the context, of the first-token statistic
+
+
+def distances_to_mean(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i - mean(x)||_2`` per vector of ``x [..., n, d]`` -> ``[..., n]``: of the values, ValueDiff's score
+    (eq. 4) with every token of the context in the cache (`probes.signals.kv.distance_to_mean` without a ref)."""
+    return (x - x.mean(dim=-2, keepdim=True)).norm(dim=-1)
+
+
 def dispersion(x: torch.Tensor) -> torch.Tensor:
     """``std_i ||x_i - mean(x)||_2`` for ``x`` of shape ``[..., n, d]``; returns ``[...]``."""
-    distances = (x - x.mean(dim=-2, keepdim=True)).norm(dim=-1)
-    return distances.std(dim=-1, correction=0)
+    return distances_to_mean(x).std(dim=-1, correction=0)
+
+
+def first_token_kept(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Whether position 0 is among the ``k = max(1, ceil(fraction * n))`` highest of ``scores [..., n]`` (higher =
+    keep) -> bool ``[...]``: fewer than k other tokens score strictly higher (a tie is resolved for position 0)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    k = max(1, math.ceil(round(fraction * scores.shape[-1], 6)))
+    return (scores > scores[..., :1]).sum(dim=-1) < k
 
 
 def bos_cosine(keys: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ Aggregation rules (ValueDiff Appendix C/D):
   the layers in scope / mean ||W_K||_2) and ``sigma1_ratio``;
 - Jaccard means skip heads and sequences where it is undefined (a sliding window shorter than k), and
   ``jaccard_layer_std`` is the std across layers of the per-layer mean (Table 8);
+- ``valuediff_first_k25`` / ``_k50``: the fraction of sequences (per KV head; of heads and sequences, per layer and
+  model) in which ValueDiff's score ranks the leading token among the top quarter / half of the context, i.e. keeps
+  the sink at that budget (`geometry.stats.first_token_kept`);
 - scope ``all`` covers every layer; when a model mixes layer kinds (Gemma3 sliding / full), one extra row per kind.
 """
 
@@ -18,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from geometry.measure import KV_FIELDS
+from geometry.measure import FIRST_FIELDS, KV_FIELDS
 from models.attention import LayerSpec
 
 MODEL_COLUMNS = (
     "model", "scope", "layers", "sink_rate", "sigma_k", "sigma_v", "sigma_ratio", "alpha_bos", "bos_cos",
     "weight_ratio", "sigma1_ratio", "jaccard", "jaccard_layer_std", "q_heads", "kv_heads", "gqa_ratio",
+    *FIRST_FIELDS,
 )
 
 
@@ -131,6 +135,7 @@ def _scope_stats(means: dict[str, np.ndarray], weights: dict[str, list], layers:
         "weight_ratio": weight("w_v") / weight("w_k"),
         "sigma1_ratio": mean("sigma1_v") / mean("sigma1_k"),
         "jaccard": float(np.nanmean(jaccard)) if (~np.isnan(jaccard)).any() else np.nan,
+        **{name: mean(name) for name in FIRST_FIELDS},
     }
 
 

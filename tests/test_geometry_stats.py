@@ -12,6 +12,8 @@ from geometry.attention import layer_attention
 from geometry.stats import (
     bos_cosine,
     dispersion,
+    distances_to_mean,
+    first_token_kept,
     jaccard_stability,
     leading_token_attention,
     prefix_kth_largest,
@@ -196,6 +198,7 @@ def _record(alpha, jaccard, scale=1.0):
     return {
         "sigma_k": [[2.0 * scale], [1.0 * scale]], "sigma_v": [[1.0], [1.0]], "bos_cos": [[-0.5], [0.5]],
         "sigma1_k": [[4.0], [4.0]], "sigma1_v": [[1.0], [3.0]], "alpha_bos": alpha, "jaccard": jaccard,
+        "valuediff_first_k25": [[1.0], [0.0]], "valuediff_first_k50": [[1.0], [scale - 1.0]],
     }
 
 
@@ -221,6 +224,28 @@ def test_accumulator_and_tables_follow_the_aggregation_rules():
     assert everything["sigma1_ratio"] == pytest.approx(2.0 / 4.0)
     assert everything["jaccard"] == pytest.approx(0.45)
     assert everything["gqa_ratio"] == 2.0
+    # the first token kept in layer 0 in both sequences, in layer 1 at half the context in the second only
+    assert (everything["valuediff_first_k25"], everything["valuediff_first_k50"]) == (0.5, 0.75)
     assert rows["full_attention"]["jaccard"] is None  # JSON-safe: NaN becomes None
     assert [row["kv_head"] for row in tables["heads_q"]] == [0, 0, 0, 0]
     assert tables["layers"][0]["sigma_ratio"] == pytest.approx(1 / 3)
+
+
+def test_first_token_kept_counts_the_tokens_that_outscore_position_0():
+    scores = torch.tensor([[3.0, 5.0, 1.0, 4.0, 0.0, 2.0, 3.0, 6.0],   # 3 others above 3.0 (5, 4, 6): rank 4 of 8
+                           [9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]])  # the highest: rank 1
+    # a quarter of 8 keeps 2: only row 1; half keeps 4: both (the tie with slot 6's 3.0 goes to position 0)
+    assert first_token_kept(scores, 0.25).tolist() == [False, True]
+    assert first_token_kept(scores, 0.5).tolist() == [True, True]
+    assert first_token_kept(scores[:, :3], 0.25).tolist() == [False, True]  # ceil(0.75) = 1 kept
+    with pytest.raises(ValueError, match="fraction"):
+        first_token_kept(scores, 0.0)
+
+
+def test_distances_to_mean_are_valuediffs_score_over_the_whole_context():
+    from probes.signals.kv import distance_to_mean
+
+    values = torch.randn(2, 3, 10, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(distances_to_mean(values), distance_to_mean(values))
+    # by hand: values 0 and 2 along one axis, mean 1: both at distance 1
+    assert distances_to_mean(torch.tensor([[0.0], [2.0]])).tolist() == [1.0, 1.0]
