@@ -10,8 +10,9 @@ Where the problems come from, first match wins:
 
 RULER datasets (``ruler_niah_single``, ``ruler_vt@4k``, ...; `tasks.ruler`) are generated from a seed instead of
 read (``data_file`` still overrides); their length is counted with the tokenizer passed to `load_problems` (default:
-the default model's), and without a `limit` there are `tasks.ruler.DEFAULT_COUNT` of them. A file with no problems
-is a `UsageError` naming it.
+the default model's), and without a `limit` there are `tasks.ruler.DEFAULT_COUNT` of them. Known-answer datasets
+(``known_facts``, ``known_facts@3``; `tasks.known_answer`) are generated too, independently of any tokenizer, with
+`tasks.known_answer.DEFAULT_COUNT` problems without a `limit`. A file with no problems is a `UsageError` naming it.
 
 GSM8K answers are full solutions ending in ``#### <number>``; the gold is the number after the marker.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 from core.errors import UsageError, unknown_choice
 from core.records import read_jsonl
-from tasks import ruler
+from tasks import known_answer, ruler
 
 DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 
@@ -56,7 +57,7 @@ SOURCES: dict[str, DatasetSpec] = {
         DatasetSpec("gsm8k", "gsm8k_test.jsonl", (HubSource("openai/gsm8k", "main", "test"),)),
     )
 }
-DATASETS: tuple[str, ...] = tuple(SOURCES) + ruler.NAMES
+DATASETS: tuple[str, ...] = tuple(SOURCES) + ruler.NAMES + known_answer.NAMES
 
 QUESTION_FIELDS = ("problem", "question", "Problem", "Question")
 ANSWER_FIELDS = ("answer", "Answer")
@@ -94,6 +95,7 @@ def load_problems(
     context length it measures.
     """
     generated = _ruler_config(name)
+    known = known_answer.parse_name(name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise UsageError(f"limit must be a positive integer, got {limit!r}")
     if data_file is not None:
@@ -105,6 +107,10 @@ def load_problems(
         records = ruler.generate(generated, limit or ruler.DEFAULT_COUNT, tokenizer)
         rows, origin = list(enumerate(records, start=1)), ruler.source(generated, tokenizer)
         name = generated.name
+    elif known is not None:
+        records = known_answer.generate(known, limit or known_answer.DEFAULT_COUNT)
+        rows, origin = list(enumerate(records, start=1)), known_answer.source(known)
+        name = known.name
     elif (local := _data_dir_file(SOURCES[name])) is not None:
         rows, origin = _numbered(read_jsonl(local), limit), str(local)
     else:
@@ -125,19 +131,23 @@ def resolve_source(name: str, data_file: str | os.PathLike | None = None, tokeni
         return str(Path(data_file).expanduser().resolve())
     if generated is not None:
         return ruler.source(generated, tokenizer)
+    if (known := known_answer.parse_name(name)) is not None:
+        return known_answer.source(known)
     local = _data_dir_file(SOURCES[name])
     return str(local) if local is not None else "hub:" + " or ".join(h.path for h in SOURCES[name].hub)
 
 
 def check_dataset(name: str) -> None:
-    """Refuse an unknown dataset name (a benchmark, or a RULER task with an optional ``@<tokens>`` length)."""
+    """Refuse an unknown dataset name (a benchmark, a RULER task with an optional ``@<tokens>`` length, or a
+    known-answer task with an optional ``@<decoys>``)."""
     _ruler_config(name)
 
 
 def _ruler_config(name: str) -> ruler.RulerConfig | None:
-    """The generator settings of a RULER dataset name, None for a benchmark read from files; unknown names fail."""
+    """The generator settings of a RULER dataset name, None for a benchmark read from files or a known-answer task
+    (`tasks.known_answer`); unknown names fail."""
     generated = ruler.parse_name(name)
-    if generated is None and name not in SOURCES:
+    if generated is None and name not in SOURCES and known_answer.parse_name(name) is None:
         raise unknown_choice("dataset", name, DATASETS)
     return generated
 

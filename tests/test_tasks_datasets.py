@@ -27,7 +27,7 @@ def _write_jsonl(path, records):
 
 def test_dataset_names():
     assert DATASETS == ("math500", "aime24", "gsm8k", "ruler_niah_single", "ruler_niah_multikey",
-                        "ruler_niah_multivalue", "ruler_vt", "ruler_cwe")
+                        "ruler_niah_multivalue", "ruler_vt", "ruler_cwe", "known_facts")
 
 
 @pytest.mark.parametrize("name, count", [("math500", 500), ("aime24", 30), ("gsm8k", 1319)])
