@@ -98,6 +98,7 @@ from labeling.windows import (
     occlusion_windows,
     rule_labels,
 )
+from tasks.engines import ENGINES
 
 if TYPE_CHECKING:
     from tasks.datasets import Problem
@@ -131,6 +132,7 @@ class OcclusionConfig:
     dtype: str = "float32"  # weights dtype the labels are made in (float32: reproducible greedy regeneration)
     force_answer: bool = False  # append the trace's answer cue to every occluded context (`labeling.windows.Cue`)
     no_answer: str = DEFAULT_NO_ANSWER  # how a window that gave no answer labels its positions (`rule_labels`)
+    engine: str = "hf"  # `tasks.engines`: hf (kvscope's regeneration, `method`) or vllm (every context to vLLM)
     batch_size: int = 32  # contexts regenerated together by the fast method
     traces_per_batch: int = 4  # traces per `Unit`
     method: str = "fast"
@@ -148,9 +150,15 @@ class OcclusionConfig:
             raise unknown_choice("dtype", self.dtype, DTYPES)
         if self.no_answer not in NO_ANSWER_RULES:
             raise unknown_choice("no-answer rule", self.no_answer, NO_ANSWER_RULES)
+        from tasks.engines import check_engine
+
+        check_engine(self.engine)
 
     def identity(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.IDENTITY}
+        """The settings a label depends on. vLLM's greedy tokens need not equal kvscope's, so another engine is
+        named; hf, the engine of every run made before engines existed, is not, so those runs still resume."""
+        return {**{name: getattr(self, name) for name in self.IDENTITY},
+                **({"engine": self.engine} if self.engine != "hf" else {})}
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -220,6 +228,7 @@ class OcclusionLabeler:
     stop_ids: list[int]
     config: OcclusionConfig = field(default_factory=OcclusionConfig)
     replacement: Replacement | None = None
+    engine: Any = None  # a `tasks.engines` engine regenerating every context (None: kvscope's own, `config.method`)
 
     def __post_init__(self) -> None:
         if self.replacement is None:
@@ -284,12 +293,22 @@ class OcclusionLabeler:
             return occlude(ids[:plan.boundary.answer_start], start, end, filler) + ids[plan.boundary.answer_start:
                                                                                       plan.context_end]
 
-        if config.method == "naive":
+        if config.method == "naive" or self.engine is not None:
+            contexts = [context for _, ids, plan in jobs
+                        for context in [ids[:plan.context_end], *(occluded(ids, plan, s, e) for s, e in plan.windows)]]
+            if self.engine is None:
+                continuations = iter(regenerate_naive(self.model, contexts, config.max_answer_tokens, self.stop_ids,
+                                                      progress))
+            else:  # every context at once: the engine's prefix cache computes the trace's shared prefix once
+                from tasks.engines import greedy_continuations
+
+                continuations = iter(greedy_continuations(self.engine, contexts, config.max_answer_tokens,
+                                                          self.stop_ids))
+                if progress:
+                    progress(len(contexts))
             for index, ids, plan in jobs:
-                contexts = [ids[:plan.context_end]] + [occluded(ids, plan, s, e) for s, e in plan.windows]
-                continuations = regenerate_naive(self.model, contexts, config.max_answer_tokens, self.stop_ids,
-                                                 progress)
-                self._finish(records[index], ids, plan, continuations[0], continuations[1:])
+                reference = next(continuations)
+                self._finish(records[index], ids, plan, reference, [next(continuations) for _ in plan.windows])
         else:
             prefixes = [PrefixCache(self.model, ids[:plan.context_end]) for _, ids, plan in jobs]
             # The reference feeds the least it can: its last token after a full-attention prefix; with sliding layers
@@ -499,7 +518,13 @@ def load_label_worker(job: OcclusionJob) -> LabelWorker:
 
         torch.set_num_threads(job.threads)
     lm = load_model(job.model, device=job.device, dtype=job.config.dtype)
-    return LabelWorker(lm, OcclusionLabeler.for_model(lm, job.config, job.dataset))
+    labeler = OcclusionLabeler.for_model(lm, job.config, job.dataset)
+    if job.config.engine != "hf":
+        from tasks.engines import load_engine
+
+        labeler.engine = load_engine(job.config.engine, job.model, batch_size=job.config.batch_size,
+                                     dtype=job.config.dtype)
+    return LabelWorker(lm, labeler)
 
 
 def labelled_unit(worker: LabelWorker, unit: Unit) -> LabelledUnit:
@@ -597,6 +622,9 @@ def run_occlusion(job: OcclusionJob, out: str | os.PathLike | None = None,
     labels nothing raises `NothingLabelled` after saving its records.
     """
     backend = backend or BackendConfig()
+    if job.config.engine != "hf" and backend.backend != "serial":
+        raise UsageError(f"--engine {job.config.engine} regenerates every context in one engine; it does not run on "
+                         f"--backend {backend.backend}")
     plan = _plan(job, out)
     job, config, generation = plan.job, plan.job.config, plan.generation
     with shard_run_dir(plan.out, plan.identity, plan.shard) as run, connected(backend):
@@ -634,6 +662,9 @@ def run_occlusion(job: OcclusionJob, out: str | os.PathLike | None = None,
             _say(f"\ninterrupted; finished traces and labels are saved in {plan.out}; rerun the same command to "
                  "resume")
             raise
+        finally:
+            if labeler.engine is not None:
+                labeler.engine.close()
     if not any(label.labelled for label in labels):
         reasons = Counter(label.reason for label in labels)
         raise NothingLabelled(f"nothing labelled: all {len(labels)} traces were skipped ("
@@ -714,37 +745,27 @@ def _workers(backend: BackendConfig, units: int) -> int:
 
 def _generate_traces(lm, generation: GenerationConfig, problems: list[Problem], trace_dir: Path,
                      backend: BackendConfig) -> list[Trace]:
-    """The traces of `problems`, generated like `tasks.run` does (its units, on `backend`) into `trace_dir`, a
-    `tasks.run` output directory: resumed like one, and `python -m tasks.run` with the same settings resumes it."""
+    """The traces of `problems`, generated by `tasks.run.generate_run` (with the labeller's own model on the hf
+    engine) into `trace_dir`, a `tasks.run` output directory: resumed like one, and `python -m tasks.run` with the
+    same settings resumes it."""
     from tqdm import tqdm
 
-    from tasks.run import Generator, generate_one, load_generator
+    from tasks.run import generate_run
 
-    with RunDir(trace_dir, generation.identity()) as run:
-        run.save_config(**dataclasses.asdict(generation), loaded_model=lm.describe(),
-                        backend=dataclasses.asdict(backend))
-        store = run.store("generations.jsonl")
-        todo = [problem for problem in problems if problem.id not in store]
-        if len(todo) < len(problems):
-            print(f"resuming: {len(problems) - len(todo)} of {len(problems)} traces already in {store.path}")
-        workers = _workers(backend, len(todo))
-        with tqdm(total=len(problems), initial=len(problems) - len(todo), desc=f"generating {generation.dataset}",
-                  unit="trace", file=sys.stderr) as bar:
+    started = time.perf_counter()
+    generated = 0
 
-            def progress(_: Problem, trace: Trace) -> None:
-                if bar.n == bar.initial and len(todo) > 1:
-                    seconds = trace.timings.get("prefill_s", 0) + trace.timings.get("decode_s", 0)
-                    on = "" if workers == 1 else f" on {workers} workers"
-                    tqdm.write(f"first trace: {len(trace.generated_ids)} tokens in {seconds:.1f} s; about "
-                               f"{format_duration(seconds * (len(todo) - 1) / workers)} for the other "
-                               f"{len(todo) - 1} if they are as long{on}", file=sys.stderr)
-                bar.update(1)
+    def first(trace: Trace) -> None:
+        nonlocal generated
+        generated += 1
+        if generated == 1 and len(problems) > 1:
+            seconds = time.perf_counter() - started
+            tqdm.write(f"first trace: {len(trace.generated_ids)} tokens in {seconds:.1f} s; about "
+                       f"{format_duration(seconds * (len(problems) - 1))} for the other {len(problems) - 1} if "
+                       "they are as long (less when some are already stored, or on several workers)", file=sys.stderr)
 
-            run_units(todo, functools.partial(load_generator, generation), generate_one, backend,
-                      on_result=lambda _, trace: store.append(trace.to_json()), progress=progress,
-                      local_worker=Generator(lm, generation))
-        wanted = {problem.id for problem in problems}
-        return [Trace.from_json(record, str(store.path)) for record in store.records if record["id"] in wanted]
+    return generate_run(generation, trace_dir, backend, problems=problems, lm=lm, on_trace=first,
+                        label=f"generating {generation.dataset}")[0]
 
 
 def _label_into(store, worker: LabelWorker, job: OcclusionJob, eligible: list[Trace], regenerations: dict[str, int],
@@ -847,6 +868,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traces-per-batch", type=positive_int, default=defaults.traces_per_batch,
                         help="traces labelled together, the unit of work (fast method: their windows share batches; "
                         f"default {defaults.traces_per_batch}); records are written when a unit finishes")
+    parser.add_argument("--engine", default=defaults.engine, choices=ENGINES,
+                        help="what regenerates the occluded contexts: hf (default: kvscope's own regeneration on "
+                        "transformers, --method) or vllm (every context of a unit to vLLM at once, its prefix cache "
+                        "sharing each trace's unchanged prefix; its environment: docs/engines.md); vLLM's greedy "
+                        "tokens need not equal kvscope's, so the engine is part of the labels' identity")
     parser.add_argument("--method", default=defaults.method, choices=METHODS,
                         help="fast (shared prefix cache, batched windows; default) or naive (re-prefill every "
                         "window); both give the same labels")
@@ -867,7 +893,7 @@ def job_from_args(args: argparse.Namespace) -> OcclusionJob:
                              max_answer_tokens=args.max_answer_tokens, include_incorrect=args.include_incorrect,
                              allow_evicted=args.allow_evicted, dtype=args.dtype, force_answer=args.force_answer,
                              no_answer=args.no_answer, batch_size=args.batch_size,
-                             traces_per_batch=args.traces_per_batch, method=args.method)
+                             traces_per_batch=args.traces_per_batch, method=args.method, engine=args.engine)
     return OcclusionJob(config=config, traces=args.traces, dataset=args.dataset, model=args.model,
                         data_file=args.data_file, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         shard=args.shard, device=args.device, threads=args.threads)

@@ -16,7 +16,6 @@ stage always runs the baselines and the papers' default policies).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -24,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from core.backend import BackendConfig, run_units
+from core.backend import BackendConfig
 from core.errors import UsageError
-from core.rundir import RunDir
 from core.schemas import Label, Trace, read_records
 from study.config import AGREEMENT_REPLACEMENTS, BASELINES, PAPER_DEFAULTS, REFERENCE, StudyConfig, evicts
 
@@ -102,25 +100,9 @@ def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backen
 
 
 def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig) -> list[Trace]:
-    from tqdm import tqdm
+    from tasks.run import generate_run
 
-    from tasks.run import Generator, generate_one, load_generator
-
-    generation = generation_config(config)
-    with RunDir(path, generation.identity()) as run:
-        worker = load_generator(generation)
-        run.save_config(**dataclasses.asdict(generation), loaded_model=worker.lm.describe(),
-                        backend=dataclasses.asdict(backend))
-        store = run.store(TRACES_FILE)
-        todo = [p for p in problems if p.id not in store]
-        with tqdm(total=len(problems), initial=len(problems) - len(todo), desc="dense traces", unit="trace",
-                  file=sys.stderr) as bar:
-            run_units(todo, functools.partial(load_generator, generation), generate_one, backend,
-                      on_result=lambda _, trace: store.append(trace.to_json()),
-                      progress=lambda *_: bar.update(1), local_worker=Generator(worker.lm, generation))
-        wanted = {p.id for p in problems}
-        by_id = {str(r["id"]): Trace.from_json(r, str(store.path)) for r in store.records if str(r["id"]) in wanted}
-    return [by_id[p.id] for p in problems]
+    return generate_run(generation_config(config), path, backend, problems=problems, label="dense traces")[0]
 
 
 # --- labels ---------------------------------------------------------------------------------------------------------

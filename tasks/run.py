@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import statistics
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -345,91 +345,96 @@ def _default_out(model: str, dataset: str) -> Path:
     return Path("runs") / f"{dataset}-{Path(model).name.removesuffix('.gguf')}"
 
 
-def _run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    config = GenerationConfig.from_flags(vars(args))
-    backend = BackendConfig.from_flags(vars(args))
+def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConfig | None = None, *,
+                 problems: Sequence[Problem] | None = None, lm=None, on_trace: Callable[[Trace], None] | None = None,
+                 label: str | None = None) -> tuple[list[Trace], dict[str, Any]]:
+    """Generate and grade `problems` (default: `config.problems()`) into the `tasks.run` output directory `out`,
+    resuming the records already there; returns their traces, in problem order, and the run's summary.
+
+    The one dense-trace generator: the command line, the occlusion labeller and the study all call it. `lm` (a
+    loaded model) is reused by the ``hf`` engine instead of loading another copy; `on_trace(trace)` is called as
+    each new trace is stored; `label` names the progress bar. On `backend` ray the units are chunks of
+    ``config.batch_size`` problems and the driver alone writes, in problem order. A KeyboardInterrupt propagates
+    after the finished traces are saved.
+    """
+    from tqdm import tqdm
+
+    from tasks.engines import load_engine
+    from tasks.prompts import build_prompt_ids, uses_chat_template
+
+    backend = backend or BackendConfig()
     check_engine(config.engine)  # a missing vLLM is reported before anything is read or loaded
     if config.engine == "vllm" and backend.backend != "serial":
         raise UsageError("--engine vllm batches every problem in one vLLM engine; it does not run on --backend ray")
-    problems = config.problems()  # bad input is found before --out is claimed
-    out = Path(args.out) if args.out else _default_out(config.model, config.dataset)
+    problems = list(config.problems() if problems is None else problems)  # bad input before --out is claimed
+    out = Path(out)
     with RunDir(out, config.identity()) as run, connected(backend):
-        from tqdm import tqdm
-
-        from tasks.engines import load_engine
-        from tasks.prompts import build_prompt_ids, uses_chat_template
-
         # The driver's engine describes the run and is the serial backend's worker.
         engine = load_engine(config.engine, config.model, batch_size=config.batch_size, device=config.device,
-                             dtype=config.dtype, seed=config.seed)
+                             dtype=config.dtype, seed=config.seed, lm=lm)
         try:
             config.check_prompts({p.id: build_prompt_ids(engine.tokenizer, p) for p in problems})
-        except UsageError:
-            engine.close()
-            raise
-        run.save_config(
-            **dataclasses.asdict(config),
-            out=str(out),
-            loaded_model=engine.lm.describe() if config.engine == "hf" else {"name": config.model},
-            loaded_engine=engine.describe(),
-            prompt_format="chat_template" if uses_chat_template(engine.tokenizer) else "plain (no chat template)",
-            backend=dataclasses.asdict(backend),
-        )
-        store = run.store("generations.jsonl")
-        todo = [p for p in problems if p.id not in store]
-        if len(todo) < len(problems):
-            print(f"resuming: {len(problems) - len(todo)} of {len(problems)} problems already in {store.path}")
-        say = (lambda *_: None) if args.quiet else tqdm.write
-        try:
-            with tqdm(
-                total=len(problems),
-                initial=len(problems) - len(todo),
-                desc=config.dataset,
-                unit="problem",
-                file=sys.stderr,
-            ) as bar:
+            run.save_config(
+                **dataclasses.asdict(config),
+                out=str(out),
+                loaded_model=engine.lm.describe() if config.engine == "hf" else {"name": config.model},
+                loaded_engine=engine.describe(),
+                prompt_format="chat_template" if uses_chat_template(engine.tokenizer) else "plain (no chat template)",
+                backend=dataclasses.asdict(backend),
+            )
+            store = run.store("generations.jsonl")
+            todo = [p for p in problems if p.id not in store]
+            if len(todo) < len(problems):
+                print(f"resuming: {len(problems) - len(todo)} of {len(problems)} problems already in {store.path}")
+            with tqdm(total=len(problems), initial=len(problems) - len(todo), desc=label or config.dataset,
+                      unit="problem", file=sys.stderr) as bar:
 
                 def finished(trace: Trace) -> None:
                     store.append(trace.to_json())
                     bar.update(1)
-                    say(
-                        f"[{trace.id}] gold={_short(trace.gold, 30)} answer={_short(trace.answer, 30)} "
-                        f"{'correct' if trace.correct else 'wrong'} ({len(trace.generated_ids)} tokens, "
-                        f"{trace.finish_reason}, {trace.timings['tokens_per_s']:.1f} tok/s)"
-                    )
+                    if on_trace is not None:
+                        on_trace(trace)
 
                 if backend.backend == "serial":
                     for trace in generate_traces(engine, todo, config):
                         finished(trace)
                 else:
-
-                    def finished_chunk(_: list[Problem], traces: list[Trace]) -> None:
-                        for trace in traces:
-                            finished(trace)
-
                     size = config.batch_size
                     run_units([todo[i:i + size] for i in range(0, len(todo), size)],
                               functools.partial(load_generator, config), generate_chunk, backend,
-                              on_result=finished_chunk)
-        except KeyboardInterrupt:
-            print(
-                f"\ninterrupted; {len(store.records)} records are saved in {store.path}; rerun the same command to "
-                "resume",
-                file=sys.stderr,
-            )
-            return 130
+                              on_result=lambda _, traces: [finished(trace) for trace in traces])
         finally:
             engine.close()
-
         wanted = {p.id for p in problems}
-        traces = [
-            Trace.from_json(r, f"{store.path}: record {r.get('id')!r}")
-            for r in store.records
-            if str(r.get("id")) in wanted
-        ]
+        by_id = {str(r.get("id")): Trace.from_json(r, f"{store.path}: record {r.get('id')!r}")
+                 for r in store.records if str(r.get("id")) in wanted}
+        traces = [by_id[p.id] for p in problems]
         summary = {**summarize(traces), "model": config.model, "dataset": config.dataset, "engine": engine.describe()}
         write_json(out / "summary.json", summary)
+    return traces, summary
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    config = GenerationConfig.from_flags(vars(args))
+    backend = BackendConfig.from_flags(vars(args))
+    out = Path(args.out) if args.out else _default_out(config.model, config.dataset)
+
+    def report(trace: Trace) -> None:
+        if args.quiet:
+            return
+        from tqdm import tqdm
+
+        tqdm.write(f"[{trace.id}] gold={_short(trace.gold, 30)} answer={_short(trace.answer, 30)} "
+            f"{'correct' if trace.correct else 'wrong'} ({len(trace.generated_ids)} tokens, {trace.finish_reason}, "
+            f"{trace.timings['tokens_per_s']:.1f} tok/s)")
+
+    try:
+        traces, summary = generate_run(config, out, backend, on_trace=report)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the finished traces are saved in {out / 'generations.jsonl'}; rerun the same command "
+              "to resume", file=sys.stderr)
+        return 130
     speed = summary["median_tokens_per_s"]
     print(format_table(traces))
     print(

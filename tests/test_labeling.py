@@ -437,6 +437,24 @@ def test_forced_answer_appends_the_cue_and_fast_equals_naive(chaotic_tiny):
         seen.clear()
 
 
+def test_an_engine_regenerating_every_context_gives_the_fast_labels(chaotic_tiny):
+    """The engine path (every occluded context handed to `tasks.engines.greedy_continuations` at once, as vLLM gets
+    them) labels like kvscope's own fast labeller; HF's engine stands in for vLLM, which is not installed here."""
+    from tasks.engines import HFEngine
+
+    tok = chaotic_tiny.tokenizer
+    traces = [_trace(tok.encode(PROMPT), tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False),
+                     trace_id, answer="42", gold="42", correct=True) for trace_id in ("a", "b")]
+    fast = label_traces(_labeler(chaotic_tiny, "fast", force_answer=True, traces_per_batch=2), traces)
+    labeler = _labeler(chaotic_tiny, "fast", force_answer=True, traces_per_batch=2)
+    labeler.engine = HFEngine(chaotic_tiny, batch_size=4)
+    calls = []
+    labeler.engine.stream = lambda requests, stops=None, stream=labeler.engine.stream: (
+        calls.append(len(requests)) or stream(requests, stops))
+    assert label_traces(labeler, traces) == fast
+    assert calls == [2 * (len(fast[0].windows) + 1)]  # both traces' contexts and references in one submission
+
+
 def test_window_outcomes_and_the_no_answer_rule(tiny_llama):
     tok = tiny_llama.tokenizer
     labeler = _labeler(tiny_llama, "naive", replacement="pad")
