@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared study on a GPU (issue 21), for one H200 when the project is lent one; never needed by CI:
+# One prepared study on a GPU, for one H200 when the project is lent one; never needed by CI:
 #   bash bench/gpu_study.sh                  # $KVSCOPE_GPU_MODEL if set, else a random-init 8B-shaped Llama (bf16)
 #   bash bench/gpu_study.sh --dry-run        # CPU: a tiny random Llama and 4 problems through the same steps
 # Steps, each timed: (1) what the machine has (GPU, torch, transformers, flash-attn, vLLM); (2) the model: the named

@@ -6,7 +6,7 @@ Conventions follow EpiKV: correlations are Spearman rho (§3.2 "two-band anatomy
 sample size is the number of independent *traces*, not token pairs, because tokens within a trace are correlated
 (Appendix 12). The paper's interval on the mean of per-trace rho is the Fisher-z interval of a single correlation on
 n_eff pairs, se = 1/sqrt(n_eff - 3): it ignores how much the traces actually disagree, and on the 40 traces of
-kvscope's Qwen2.5-0.5B study it is several times wider than their spread supports (issue 18). It is kept, beside two
+kvscope's Qwen2.5-0.5B study it is several times wider than their spread supports. It is kept, beside two
 intervals whose width comes from that spread: a t-interval on the per-trace z, which is what significance rests on
 (`fisher_mean` says why), and a percentile bootstrap over traces. Everything here is a pure array function.
 """

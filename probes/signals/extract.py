@@ -12,8 +12,8 @@ model forwarded: the prompt and every generated token but the last (which is sam
 
 Signals (``[batch, pos]`` per layer; every K/V and attention signal is the mean over heads):
 
-- ``hidden_diff``: g_l(t) = ||h_l(t) - h_l(t-1)||_2, h_l = ``blocks.{l}.hook_resid_pre`` (EpiKV §3.2: the input of block l,
-  ``output_hidden_states[l]``; `probes.signals.hidden.DEFAULT_HIDDEN_HOOK`); position 0 is NaN.
+- ``hidden_diff``: g_l(t) = ||h_l(t) - h_l(t-1)||_2, h_l = ``blocks.{l}.hook_resid_pre`` (EpiKV §3.2: the input of
+  block l, ``output_hidden_states[l]``; `probes.signals.hidden.DEFAULT_HIDDEN_HOOK`); position 0 is NaN.
 - ``key_norm``: ||k_t||_2 of the cached (post-RoPE) key.
 - ``key_variance`` / ``value_variance``: variance of k_t / v_t across the head dimension (EpiKV KV-key / KV-val
   before their rolling mean; smooth them with `probes.signals.hidden.smooth`).
