@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 from core.cli import non_negative_float, positive_int
 from core.errors import UsageError, unknown_choice
+from core.limits import cpu_count
 
 BACKENDS = ("serial", "ray")
 CONNECT_TIMEOUT_S = 10
@@ -95,6 +96,8 @@ class BackendConfig:
                                      "one worker in this process)")
         elif importlib.util.find_spec("ray") is None:
             raise UsageError("--backend ray needs Ray, which is not installed: pip install 'kvscope[ray]'")
+        elif self.address is None:  # a local instance: its capacity is this machine's, known before Ray starts
+            _check_capacity(self, local_resources(self))
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> BackendConfig:
@@ -167,6 +170,16 @@ def _start_or_join(config: BackendConfig) -> None:
 
 def _describe_cluster(config: BackendConfig) -> str:
     return "a local Ray instance" if config.address is None else f"the Ray cluster at {config.address}"
+
+
+def local_resources(config: BackendConfig) -> dict[str, float]:
+    """The CPUs (and, when workers reserve some, GPUs) a local Ray instance would offer: this machine's."""
+    resources = {"CPU": float(cpu_count())}
+    if config.gpus_per_worker > 0:
+        import torch
+
+        resources["GPU"] = float(torch.cuda.device_count())
+    return resources
 
 
 def _check_capacity(config: BackendConfig, resources: Mapping[str, float]) -> None:

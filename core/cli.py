@@ -45,6 +45,23 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, refusing what no kvscope flag means anything by: an empty text value (a path, a name, a list;
+        leave the flag out for its default) and a NaN or infinite ``type=float`` value."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(namespace, action.dest, None)
+            if value is action.default or action.type not in (None, float):
+                continue
+            name = "/".join(action.option_strings) or action.dest
+            for item in value if isinstance(value, list) else [value]:
+                if action.type is None and isinstance(item, str) and not item.strip():
+                    raise UsageError(f"argument {name}: the value is empty; give one, or leave the flag out for its "
+                                     "default")
+                if action.type is float and isinstance(item, float) and not math.isfinite(item):
+                    raise UsageError(f"argument {name}: must be a finite number, got {item}")
+        return namespace, extras
+
 
 def program_name() -> str:
     """`python -m evictor.run` -> "evictor.run" (argv[0] would only say run.py or __main__.py)."""
@@ -62,6 +79,8 @@ def _number(text: str, kind: type) -> Any:
         raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    if kind is int and abs(value) >= 2**63:  # beyond what torch, numpy and every count kvscope keeps can hold
+        raise argparse.ArgumentTypeError(f"{text} is too large; integers must be below 2**63")
     return value
 
 
@@ -78,6 +97,24 @@ def non_negative_int(text: str) -> int:
     value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type for ``--seed``: an integer in [0, 2**63), the range every generator kvscope seeds accepts."""
+    value = _number(text, int)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """argparse type for ``--threads``: a positive integer no larger than the CPU cores this process may use."""
+    from core.limits import cpu_count
+
+    value = positive_int(text)
+    if value > cpu_count():
+        raise argparse.ArgumentTypeError(f"{value} threads, but this machine has {cpu_count()} CPU cores")
     return value
 
 

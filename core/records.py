@@ -18,19 +18,40 @@ from core.errors import UsageError
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """Yield the records of a JSONL file; a malformed line is a `UsageError` naming its line number."""
+    """Yield the records of a JSONL file; a file that cannot be read, a line that is not UTF-8 text (a binary file)
+    and a line that is not one JSON object are `UsageError`s naming the file and the line."""
     path = Path(path)
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UsageError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise UsageError(f"{path}: line {number} is not a JSON object")
-            yield record
+    try:
+        handle = path.open("rb")
+    except OSError as err:
+        raise UsageError(f"{path}: cannot read it ({err.strerror or err})") from None
+    with handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield parse_line(line, path, number)
+        except OSError as err:  # a directory opens, then fails to read
+            raise UsageError(f"{path}: cannot read it ({err.strerror or err})") from None
+
+
+def parse_line(line: bytes, path: Path, number: int) -> dict[str, Any]:
+    """One JSONL line as a JSON object; anything else is a `UsageError` naming the file and the line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: line {number} is not UTF-8 text; is it a binary file, not JSONL?") from None
+    if "\x00" in text:
+        raise UsageError(f"{path}: line {number} holds NUL bytes; is it a binary file, not JSONL?")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: line {number} nests JSON too deeply to read") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"{path}: line {number} is a JSON {type(record).__name__}, not an object (one record per "
+                         "line)")
+    return record
 
 
 class JsonlStore:
@@ -40,29 +61,46 @@ class JsonlStore:
     written with a single flushed write). A malformed line anywhere else is corruption, reported, never skipped.
     """
 
-    def __init__(self, path: str | os.PathLike, key: Callable[[dict[str, Any]], Hashable]):
+    def __init__(self, path: str | os.PathLike, key: Callable[[dict[str, Any]], Hashable],
+                 on_append: Callable[[], None] | None = None):
         self.path = Path(path)
         self.key = key
+        self.on_append = on_append  # told once a record is written (`core.rundir` keeps results from then on)
         self.records: list[dict[str, Any]] = []
+        self.done: set[Hashable] = set()
         if self.path.exists():
             self._load_and_repair()
-        self.done = {self.key(r) for r in self.records}
 
     def _load_and_repair(self) -> None:
-        raw = self.path.read_bytes()
+        """Read the finished records, refusing (before anything is changed) a file that is not this store's: a line
+        that is not a JSON object, a record without its key, a key twice. Only then is a torn last line dropped."""
+        try:
+            raw = self.path.read_bytes()
+        except OSError as err:
+            raise UsageError(f"{self.path}: cannot read it to resume ({err.strerror or err})") from None
         lines = raw.split(b"\n")
         complete, tail = lines[:-1], lines[-1]
         good_bytes = len(raw) - len(tail)
+        resume = "; refusing to resume: move the file away or use another --out"
         for number, line in enumerate(complete, start=1):
             if not line.strip():
                 continue
             try:
-                self.records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number == len(complete) and not tail:
-                    good_bytes -= len(line) + 1
+                record = parse_line(line, self.path, number)
+            except UsageError as err:
+                if number == len(complete) and not tail and line.lstrip().startswith(b"{"):
+                    good_bytes -= len(line) + 1  # a record cut short by a crash: the newline came first
                     break
-                raise UsageError(f"{self.path}: line {number} is not valid JSON; refusing to resume") from None
+                raise UsageError(f"{err}{resume}") from None
+            try:
+                key = self.key(record)
+            except (KeyError, TypeError, ValueError) as err:
+                detail = f"no {err}" if isinstance(err, KeyError) else str(err)
+                raise UsageError(f"{self.path}: line {number} is not a record of this run ({detail}){resume}") from None
+            if key in self.done:
+                raise UsageError(f"{self.path}: line {number} repeats the record {key!r}{resume}")
+            self.records.append(record)
+            self.done.add(key)
         if good_bytes != len(raw):
             with self.path.open("r+b") as handle:
                 handle.truncate(good_bytes)
@@ -81,6 +119,8 @@ class JsonlStore:
             os.fsync(handle.fileno())
         self.records.append(json.loads(line))
         self.done.add(self.key(record))
+        if self.on_append is not None:
+            self.on_append()
 
 
 def _to_builtin(value: Any) -> Any:

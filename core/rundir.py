@@ -11,14 +11,18 @@ Every stage that writes results (`tasks.run`, `evictor.run`, `labeling.occlusion
    file; a rerun with different settings is refused naming each differing setting with both values, so records
    made differently never mix. The same settings resume: `store` reopens the JSONL files and skips finished work.
 
-On exit the lock is released; a directory this run created and left empty is removed, so bad input discovered
-after the claim (an unloadable model, say) leaves nothing behind.
+On exit the lock is released; a directory this run created and left empty is removed, and a run that fails before
+it stores its first record (bad input discovered after the claim: an unloadable model, a damaged file to resume)
+puts back the configuration it replaced, so it leaves the directory as it found it. Resuming refuses, before
+anything is written, a result file that is not the run's (a line that is not a record, a record without its key, a
+key twice: `core.records.JsonlStore`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shlex
@@ -28,7 +32,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.cli import write_json
+from core.cli import atomic_write, write_json
 from core.errors import UsageError
 from core.records import JsonlStore
 
@@ -51,9 +55,13 @@ def check_identity(config_path: Path, identity: Mapping[str, Any], what: str) ->
         return
     try:
         stored = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise UsageError(f"{config_path} is not valid JSON; use another --out") from None
-    previous = stored.get("identity", stored) if isinstance(stored, dict) else {}
+    except OSError as err:
+        raise UsageError(f"{config_path} cannot be read ({err.strerror or err}); use another --out") from None
+    previous = stored.get("identity", stored) if isinstance(stored, dict) else None
+    if not isinstance(previous, dict):
+        raise UsageError(f"{config_path} is not a kvscope run configuration; use another --out")
     differences = identity_differences(previous, identity)
     if differences:
         raise UsageError(f"{what} holds a run made with other settings: {'; '.join(differences)}; rerun with the "
@@ -74,6 +82,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike, identity: Mapping[str, Any], *, config_name: str = "config.json",
                  lock_name: str = LOCK_NAME, flag: str = "--out"):
+        self._given = str(path)
         self.path = Path(path)
         self.identity = dict(identity)
         self.config_path = self.path / config_name
@@ -81,17 +90,22 @@ class RunDir:
         self.flag = flag
         self._fd: int | None = None
         self._created: list[Path] = []
+        self._writes = _Writes()  # shared with the cells of a sweep (`child`)
 
     # --- claim and release ------------------------------------------------------------------------------------------
     def __enter__(self) -> RunDir:
         self.claim()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and not self._writes.appended:
+            self._writes.roll_back()
         self.release()
 
     def claim(self) -> RunDir:
         where = f"{self.flag} {str(self.path)!r}"
+        if not self._given.strip() or "\0" in self._given:
+            raise UsageError(f"{self.flag} {self._given!r} is not a directory path")
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"{where} is a file, not a directory; give a directory path")
         self._make_directory(where)
@@ -151,21 +165,62 @@ class RunDir:
 
     # --- contents ---------------------------------------------------------------------------------------------------
     def save_config(self, **extra: Any) -> Path:
-        """Write the resolved configuration: the identity plus whatever else describes the run."""
-        self._created = []  # the directory now holds results: never remove it
+        """Write the resolved configuration: the identity plus whatever else describes the run. Until the first
+        record is stored, a run that fails puts back the configuration it replaced (`_Writes`)."""
+        self._writes.before_writing(self.config_path)
         return write_json(self.config_path, {"identity": self.identity, **extra})
 
     def store(self, name: str, key: str | Callable[[dict[str, Any]], Hashable] = "id") -> JsonlStore:
-        """A resumable JSONL file in this directory, its records keyed by field `key` (or a key function)."""
-        self._created = []
-        key_of = (lambda record: str(record[key])) if isinstance(key, str) else key
-        return JsonlStore(self.path / name, key=key_of)
+        """A resumable JSONL file in this directory, its records keyed by field `key` (or a key function); a file
+        that is not this store's is refused before anything is written."""
+        key_of = functools.partial(_field_key, key) if isinstance(key, str) else key
+        return JsonlStore(self.path / name, key=key_of, on_append=self._writes.stored)
 
     def child(self, name: str, identity: Mapping[str, Any]) -> RunDir:
         """A subdirectory with its own identity (a cell of a sweep), covered by this directory's lock."""
         sub = RunDir(self.path / name, identity, flag=f"{self.flag} cell")
         check_identity(sub.config_path, sub.identity, f"{self.flag} {str(sub.path)!r}")
+        sub._writes = self._writes
         return sub
+
+
+class _Writes:
+    """What a run has written, so that a run refused or failed before its first record leaves its directory as it
+    found it: the configuration files it replaced (their earlier bytes, None for a new file) and the directories it
+    made for them. Once a record is stored the run's files are results and stay, whatever happens next."""
+
+    def __init__(self) -> None:
+        self.appended = False
+        self.replaced: dict[Path, bytes | None] = {}
+        self.made: list[Path] = []
+
+    def before_writing(self, path: Path) -> None:
+        if path not in self.replaced:
+            self.made += [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+            self.replaced[path] = path.read_bytes() if path.is_file() else None
+
+    def stored(self) -> None:
+        self.appended = True
+
+    def roll_back(self) -> None:
+        for path, earlier in self.replaced.items():
+            with contextlib.suppress(OSError):
+                if earlier is None:
+                    path.unlink()
+                else:
+                    with atomic_write(path, "wb") as handle:
+                        handle.write(earlier)
+        for directory in self.made:  # innermost first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+def _field_key(name: str, record: dict[str, Any]) -> str:
+    """A record's key field as a string; a key that is not a string or an integer is no record of a run."""
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f"its {name} is {json.dumps(value, default=str)[:40]}, not a string or an integer")
+    return str(value)
 
 
 def _read_holder(fd: int) -> str:

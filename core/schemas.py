@@ -20,8 +20,13 @@ so a newer writer's records survive an older reader. Intervals are always ``<nam
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
 import os
-from collections.abc import Iterable, Iterator
+import types
+import typing
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -62,11 +67,18 @@ class Record:
         missing = [name for name in cls.required() if name not in data]
         if missing:
             raise UsageError(f"{where} has no {', '.join(missing)}: not a {cls.KIND} record")
+        if isinstance(data["id"], bool) or not isinstance(data["id"], str | int):
+            raise UsageError(f"{where}: id {_shown(data['id'])} is not a string or an integer")
+        check_field_types(cls, {k: v for k, v in data.items() if k != "id"}, where)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         record = cls(**{k: v for k, v in data.items() if k in known},
                      extra={k: v for k, v in data.items() if k not in known})
         record.id = str(record.id)
+        record.check(where)
         return record
+
+    def check(self, where: str) -> None:
+        """Refuse a record whose fields do not fit together (each field's type is checked before)."""
 
 
 @dataclass(kw_only=True)
@@ -144,6 +156,11 @@ class Label(Record):
     def labelled(self) -> bool:
         return self.status == "labelled"
 
+    def check(self, where: str) -> None:
+        if self.labels is not None and self.positions is not None and len(self.labels) != len(self.positions):
+            raise UsageError(f"{where}: {len(self.labels)} labels for {len(self.positions)} positions; each label "
+                             "is the label of one position")
+
 
 @dataclass(kw_only=True)
 class Signal(Record):
@@ -164,6 +181,16 @@ class Signal(Record):
     layers: list[int] = field(default_factory=list)
     smoothing: str | None = None
     band_score: list[float | None] | None = None
+
+    def check(self, where: str) -> None:
+        n = len(self.positions)
+        for name, by_layer in self.signals.items():
+            for layer, values in by_layer.items():
+                if len(values) != n:
+                    raise UsageError(f"{where}: signal {name} at layer {layer} has {len(values)} values for {n} "
+                                     "positions")
+        if self.band_score is not None and len(self.band_score) != n:
+            raise UsageError(f"{where}: band_score has {len(self.band_score)} values for {n} positions")
 
 
 @dataclass(kw_only=True)
@@ -220,6 +247,81 @@ class ProbeRow(Record):
 
 
 KINDS: dict[str, type[Record]] = {cls.KIND: cls for cls in (Trace, Label, Signal, Cell, ProbeRow)}
+
+
+def check_field_types(cls: type, values: Mapping[str, Any], where: str, *, finite: bool = False) -> None:
+    """Refuse a value that does not fit the annotation of the field of dataclass `cls` it sets (a record read from
+    JSON, a policy's parameters from a file), naming the field, the value and the type; with `finite`, a NaN or
+    infinite number too. Names that are not fields are left to the caller."""
+    hints = _field_types(cls)
+    for name, value in values.items():
+        if name in hints and not _conforms(value, hints[name]):
+            raise UsageError(f"{where}: {name} {_shown(value)} is not {_describe(hints[name])}")
+        if finite and isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{where}: {name} {value} is not a finite number")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"extra"}
+    return {name: hint for name, hint in typing.get_type_hints(cls).items() if name in fields}
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's annotation: an int is not a bool, a float may be written as an int, a list
+    holds elements of its type, a dict maps strings to values of its type."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, option) for option in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is tuple:  # JSON has lists only
+        items = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            return False
+        if len(items) == 2 and items[1] is Ellipsis:
+            return all(_conforms(v, items[0]) for v in value)
+        return len(value) == len(items) and all(_conforms(v, item) for v, item in zip(value, items))
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, item) for k, v in value.items())
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any, plural: bool = False) -> str:
+    """``list[int] | None`` -> "a list of integers or null"; `plural` for the elements of a container."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(option, plural) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is list or typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (...,):
+        return ("lists" if plural else "a list") + " of " + _describe(typing.get_args(hint)[0], True)
+    if typing.get_origin(hint) is tuple:
+        items = typing.get_args(hint)
+        return ("lists" if plural else "a list") + f" of {len(items)}: " + ", ".join(map(_describe, items))
+    if typing.get_origin(hint) is dict:
+        return ("objects" if plural else "an object") + " of " + _describe(typing.get_args(hint)[1], True)
+    names = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+             bool: ("true or false", "booleans"), type(None): ("null", "nulls"), Any: ("a JSON value", "values")}
+    single, many = names.get(hint, (getattr(hint, "__name__", str(hint)),) * 2)
+    return many if plural else single
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """A JSON value as the error names it, cut to `width` characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def iter_records(path: str | os.PathLike, cls: type[R]) -> Iterator[R]:

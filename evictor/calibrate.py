@@ -13,14 +13,15 @@ it as ``<stem>.config.json``. Pass the file to the policy as ``calibration`` (``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, save_config, write_json
 from core.errors import UsageError
 from evictor.calibration import dense_traces
 from evictor.calibration.thinkv import DEFAULT_BAND_ORDER, DEFAULT_TAU, check_band_order
+from probes.signals.__main__ import traces_model
 
 METHODS = ("triattention", "thinkv")
 
@@ -61,8 +62,12 @@ def check_output(path: Path) -> None:
     if path.is_dir():
         raise UsageError(f"--out {str(path)!r} is a directory; give a file name")
     parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {str(path)!r}: cannot create files under {str(parent)!r}")
+    try:  # a real write, removed at once: permission bits do not bind root, and /proc or a read-only mount refuse
+        if not parent.is_dir():
+            raise NotADirectoryError(str(parent))
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError:
+        raise UsageError(f"--out {str(path)!r}: cannot create files under {str(parent)!r}") from None
 
 
 def _run(argv: list[str] | None) -> int:
@@ -71,10 +76,7 @@ def _run(argv: list[str] | None) -> int:
     check_output(out)
     band_order = check_band_order(args.band_order.split(",")) if args.method == "thinkv" else None
     traces = dense_traces(args.traces, args.limit)
-    models = {trace.model for trace in traces}
-    model_name = args.model or (models.pop() if len(models) == 1 else None)
-    if model_name is None:
-        raise UsageError(f"the traces come from several models ({', '.join(sorted(models))}); pass --model")
+    model_name = traces_model(traces, args.model, f"--traces {args.traces}")
 
     from tqdm import tqdm
 

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, non_negative_int, positive_int
+from core.cli import ArgumentParser, add_device_arguments, main_guard, non_negative_int, positive_int, seed_int
 from core.errors import UsageError
 from core.schemas import Signal, Trace
 from core.seeds import derive_seed
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tail", type=non_negative_int, default=DEFAULT_TAIL,
                         help="answer span of a trace with neither </think> nor \\boxed{ (as labeling.occlusion "
                         f"--tail; default {DEFAULT_TAIL})")
-    parser.add_argument("--seed", type=int, default=0, help="seeds random policies, per trace (default: 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seeds random policies, per trace (default: 0)")
     parser.add_argument("--limit", type=positive_int, default=None, help="only the first N traces")
     add_device_arguments(parser, dtype_default="float32")
     return parser
@@ -279,6 +279,7 @@ def chosen_policies(text: str | None, config_files: Sequence[str]) -> dict[str, 
 
 
 def _run(argv: list[str] | None) -> int:
+    from models.loading import model_limits
     from probes.signals.__main__ import claim_output, read_dense_traces, traces_model
 
     args = build_parser().parse_args(argv)
@@ -286,7 +287,9 @@ def _run(argv: list[str] | None) -> int:
     config = ReplayConfig(keep=args.keep, block=args.block, teacher_block=args.teacher_block,
                           query_window=args.query_window, seed=args.seed, tail=args.tail)
     traces = read_dense_traces(args.traces, args.limit)
-    model_name = traces_model(traces, args.model)
+    model_name = traces_model(traces, args.model, f"--traces {args.traces}")
+    model_limits(model_name).check_flags({"--teacher-block": config.teacher_block,
+                                          "--query-window": config.query_window})
     out = Path(args.out)
     # Policy.config() holds what the parameters resolve to (a calibration file's digest): a changed file is refused.
     identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "dtype": args.dtype,

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from core.backend import BackendConfig, add_backend_arguments, connected, run_units
-from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, write_json
+from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, seed_int, write_json
 from core.errors import UsageError
 from core.rundir import RunDir, check_identity
 from core.schemas import Cell, Trace, read_records
@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, or FA2 on CUDA)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="problems decoded together (left-padded)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="generation cap (default: 512)")
-    p.add_argument("--seed", type=int, default=0, help="seeds random policies and sampling, per batch (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help="seeds random policies and sampling, per batch (default: 0)")
     p.add_argument(
         "--keep-log", action="store_true", help="save evicted positions per round/layer/head (keeplogs/*.npz)"
     )
@@ -548,8 +549,12 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
     backend = backend or BackendConfig()
     config.check()
     generation = config.generation
+    limits = generation.limits()
+    for budget in (b for b in config.budgets if b >= 1):
+        limits.check_tokens(f"--budget {budget}", budget, "the cache could never fill, so no cell would evict")
+    limits.check_flags(token_flags(config.protocol_settings))
     cells = sweep_cells(config)  # an unknown --policy-config parameter is refused before --out is claimed
-    reference = reference_lengths(config.reference) if config.reference is not None else None
+    reference = reference_lengths(config.reference, generation.model) if config.reference is not None else None
     problems = generation.problems()
     if reference is not None:
         missing = [p.id for p in problems if p.id not in reference]

@@ -25,7 +25,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from core.cli import DTYPES, ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int
+from core.cli import DTYPES, ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, thread_count
 from core.errors import UsageError, unknown_choice
 from core.records import JsonlStore
 from core.rundir import RunDir, check_identity
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=positive_int, default=defaults.chunk,
                         help="query rows per attention block; peak memory ~ q_heads x chunk x ctx floats "
                              f"(default {defaults.chunk})")
-    parser.add_argument("--threads", type=positive_int, default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with "
                              "other jobs, where extra threads mostly wait on each other")
     add_device_arguments(parser, dtype_default=defaults.dtype)

@@ -9,6 +9,7 @@ refused) and writes ``DIR/labels.jsonl`` (traces in the order an unsharded run w
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -28,10 +29,13 @@ def _shard_configs(out: Path) -> dict[int, dict[str, Any]]:
         if match := _SHARD_CONFIG.match(path.name):
             try:
                 config = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise UsageError(f"{path} is not valid JSON") from None
-            if not isinstance(config, dict) or "identity" not in config or "trace_ids" not in config:
-                raise UsageError(f"{path} is not a labeling.occlusion shard configuration")
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                raise UsageError(f"{path} is not a readable JSON file") from None
+            if not isinstance(config, dict) or not isinstance(config.get("identity"), dict) or \
+                    not isinstance(config.get("trace_ids"), list) or \
+                    not all(isinstance(trace_id, str) for trace_id in config["trace_ids"]):
+                raise UsageError(f"{path} is not a labeling.occlusion shard configuration (an object with an "
+                                 "identity object and a trace_ids list)")
             found[(int(match.group(1)), int(match.group(2)))] = config
     if not found:
         raise UsageError(f"no shard outputs (config.shard-I-of-N.json) in {str(out)!r}")
@@ -82,12 +86,16 @@ def merge(out: Path) -> tuple[Path, int]:
     return target, len(order)
 
 
-def _run(argv: list[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m labeling.merge",
                             description="Combine labels.shard-I-of-N.jsonl files of one occlusion run into "
                             "labels.jsonl.")
     parser.add_argument("out", help="the --out directory the shards wrote to")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     target, n = merge(Path(args.out))
     print(f"merged {n} trace records into {target}")
     return 0

@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from core.errors import UsageError, unknown_choice
+from core.limits import ModelLimits
 from models.expand import with_expanded_kv_heads
 from models.families import family_names
 from models.lm import LoadedModel
 from models.registry import DEFAULT_MODEL, REGISTRY, cache_root, sha256_file
-from models.tiny import tiny_model
+from models.tiny import tiny_config, tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +143,77 @@ def check_model_name(name: str) -> None:
         raise unknown_choice("model", name, choices + ["<local HF dir>", "<file.gguf>", "<hub org/name>"])
 
 
+# The sizes every causal LM's config.json states (at its top level or in its text_config): without them transformers
+# silently substitutes its defaults, a differently shaped model than the weights.
+REQUIRED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def model_config(name: str):
+    """`name`'s transformers config, read without its weights (a registry model's converted copy is made on first use,
+    as `load_model` would); a config.json that cannot be read, names no known architecture or lacks the sizes of
+    `REQUIRED_CONFIG` is a one-line `UsageError`."""
+    if name.startswith("tiny-"):
+        check_model_name(name)
+        return tiny_config(name.removeprefix("tiny-"))
+    if name in REGISTRY and REGISTRY[name].expands is not None:
+        return model_config(REGISTRY[name].expands)  # only its KV heads differ
+    directory, _, _ = locate_weights(name)
+    if isinstance(directory, Path):
+        _check_config_file(name, directory / "config.json")
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise _cannot_load(name, directory, err) from None
+
+
+def model_limits(name: str) -> ModelLimits:
+    """The context, vocabulary and depth `name`'s config states (`model_config`), to check a request against before
+    the model loads."""
+    return ModelLimits.from_config(name, model_config(name))
+
+
+def _check_config_file(name: str, path: Path) -> None:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise UsageError(f"model {name!r}: {path} is not a readable JSON file ({_first_line(err)})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"model {name!r}: {path} holds a JSON {type(config).__name__}, not a model configuration")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    missing = [key for key in ("model_type", *REQUIRED_CONFIG) if key not in text and key not in config]
+    if missing:
+        raise UsageError(f"model {name!r}: {path} lacks {', '.join(missing)}; it is not a model configuration "
+                         "transformers can build the model from")
+
+
+def _cannot_load(name: str, directory: Path | str, err: BaseException) -> UsageError:
+    hub_id = isinstance(directory, str) and "/" in directory and not Path(directory).exists()
+    if hub_id and isinstance(err, OSError):
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        why = "HF_HUB_OFFLINE=1 is set" if offline else "the hub could not be reached or has no such model"
+        return UsageError(f"cannot load hub model {name!r}: {why} ({_first_line(err)})")
+    return UsageError(f"cannot load model {name!r} from {directory}: {_first_line(err)}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _from_pretrained(directory, torch_dtype, kernel, name):
+    if isinstance(directory, Path):
+        _check_config_file(name, directory / "config.json")
+    # No weight-loading bar: an error found after loading must stay the one line on stderr the CLI contract promises.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, attn_implementation=kernel)
-    except OSError as err:
-        hub_id = isinstance(directory, str) and "/" in directory and not Path(directory).exists()
-        if hub_id:
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            why = "HF_HUB_OFFLINE=1 is set" if offline else "the hub could not be reached or has no such model"
-            raise UsageError(f"cannot load hub model {name!r}: {why} ({str(err).splitlines()[0]})") from None
-        raise UsageError(f"cannot load model {name!r} from {directory}: {str(err).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:  # what a malformed directory raises
+        raise _cannot_load(name, directory, err) from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

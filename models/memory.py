@@ -54,12 +54,12 @@ import psutil
 import torch
 from transformers import PreTrainedModel
 
-from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int
+from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, seed_int
 from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from models.hooks import decoder_layers
 from models.lm import LoadedModel, attention_kernel
-from models.loading import load_model
+from models.loading import load_model, model_limits
 
 MB = 2**20
 
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{' '.join(DEFAULT_KERNELS)})")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (default 1)")
     add_device_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the random token ids (default 0)")
     parser.add_argument("--out", required=True, help="output directory for prefill_memory.csv and config.json")
     return parser
 
@@ -321,6 +321,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for kernel in args.kernels:
         _setup(kernel)
+    model_limits(args.model).check_flags({"--ctx": max(args.ctx)})  # before a model loads or --out is claimed
     identity = {key: value for key, value in vars(args).items() if key != "out"}
     with RunDir(args.out, identity) as run:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)

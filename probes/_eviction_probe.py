@@ -59,7 +59,7 @@ import torch
 from tqdm import tqdm
 
 from core.backend import BackendConfig, add_backend_arguments
-from core.cli import add_device_arguments, atomic_write, positive_int, write_json
+from core.cli import add_device_arguments, atomic_write, positive_int, seed_int, thread_count, write_json
 from core.errors import UsageError
 from core.records import read_jsonl
 from core.schemas import ProbeRow, as_json
@@ -72,9 +72,10 @@ from evictor.protocol import (
     protocol_overrides,
     resolve_protocol,
     sequence_budgets,
+    token_flags,
 )
 from evictor.run import csv_value
-from models.loading import KERNELS, load_model
+from models.loading import KERNELS, load_model, model_limits
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks.prompts import uses_chat_template
 from validation.paired import bootstrap_means, percentile_interval
@@ -283,6 +284,17 @@ def protocol_layout(layout: Layout, distance: Distance, config: EvictionConfig, 
 
 
 # --- filler and instances ----------------------------------------------------------------------------------------
+def check_filler_dataset(dataset: str) -> None:
+    """Refuse, before any problem is built, a --dataset without reference solutions: the generated tasks (RULER,
+    known-answer) have none, and building a long haystack only to find that out can take minutes."""
+    from tasks.datasets import SOURCES, check_dataset
+
+    check_dataset(dataset)
+    if dataset not in SOURCES:
+        raise UsageError(f"--dataset {dataset!r} has no reference solutions to use as filler; choose "
+                         f"{', '.join(SOURCES)}, or pass --filler with a generations.jsonl of the model's own traces")
+
+
 def filler_texts(filler: str | None, dataset: str, data_file: str | None) -> tuple[list[tuple[str, str]], str]:
     """(id, text) pairs of real reasoning text and where they came from."""
     if filler is not None:
@@ -560,12 +572,22 @@ class ProbeConfig:
             raise UsageError(f"--level must be in (0, 1), got {self.level}")
         if self.data_file is not None and not Path(self.data_file).expanduser().is_file():
             raise UsageError(f"--data-file {self.data_file!r} does not exist")
+        if self.filler is None:
+            check_filler_dataset(self.dataset)
+        self.check_limits()
         sampling = [key for key in SAMPLING_FIELDS if self.protocol_settings.get(key) is not None]
         if sampling:
             flags = " and ".join("--" + key.replace("_", "-") for key in sampling)
             raise UsageError(f"{flags}: the probes teacher-force every token, so nothing is sampled; leave "
                              f"{'them' if len(sampling) > 1 else 'it'} out")
         self.resolved()
+
+    def check_limits(self) -> None:
+        """Refuse token counts beyond the model's context (read from its config, before the weights load): no
+        instance could hold them, so the probe would run for nothing or fail deep in the model."""
+        limits = model_limits(self.model)
+        limits.check_flags({"--budget": self.budget, "--lead": self.lead, "--box": self.box,
+                            **token_flags(self.protocol_settings)})
 
     def resolved(self) -> Protocol:
         """The protocol preset with the explicit settings, at this probe's budget and seed."""
@@ -673,7 +695,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_model: str = DEFAUL
                    f"directory, .gguf file or hub id (default: {default_model})")
     p.add_argument("--n", type=positive_int, default=20,
                    help="instances; rerunning a finished run with a larger --n adds instances (default: 20)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=seed_int, default=0,
                    help="draws each instance's variable, value and filler start, and seeds the eviction (default: 0)")
     p.add_argument("--budget", type=positive_int, default=256,
                    help="K per KV head in tokens; Random Attention's 1024 scaled to a 135M model (default: 256)")
@@ -694,7 +716,7 @@ def add_common_arguments(p: argparse.ArgumentParser, default_model: str = DEFAUL
                    "(default: 0.95)")
     p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, FA2 on CUDA)")
     add_device_arguments(p)
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="CPU threads for torch (default: torch's choice); 1 is fastest on a CPU shared with other jobs")
     add_backend_arguments(p)
     p.add_argument("--out", default=None, help="output directory; rerun the same command to resume it "

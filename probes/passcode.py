@@ -94,9 +94,12 @@ def parse_condition(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def parse_policies(text: str, names: list[str]) -> list[str]:
-    chosen = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    given = [p.strip() for p in text.split(",")]
+    chosen = list(dict.fromkeys(p for p in given if p))
     if not chosen:
         raise UsageError(f"--policy {text!r}: give at least one policy name")
+    if len(chosen) < len(given) and "" in given:
+        raise UsageError(f"--policy {text!r} has an empty entry; separate the entries by single commas")
     for condition in chosen:
         name, params = parse_condition(condition)
         if name not in names:

@@ -59,6 +59,7 @@ from core.schemas import ProbeRow
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
 from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy
+from models.loading import model_limits
 from probes._eviction_probe import (
     CHANCE,
     SERIAL,
@@ -264,7 +265,10 @@ class PlantedFactConfig(ProbeConfig):
         super().check()
         if self.question not in SCRIPTS:
             raise unknown_choice("question", self.question, SCRIPTS)
-        parse_distance(self.distance)
+        distance = parse_distance(self.distance)
+        # every round feeds at least one filler token, so in either unit the sequence holds lead + box + amount
+        model_limits(self.model).check_tokens(f"--distance {self.distance}", self.lead + self.box + distance.amount,
+                                              "the fact and the question would not fit in one sequence")
 
 
 @dataclass(frozen=True)

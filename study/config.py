@@ -59,13 +59,16 @@ def parse_budgets(text: str) -> tuple[float, ...]:
             raise UsageError(f"--budget {part!r} is not a number; give fractions in (0, 1] of each problem's dense "
                              "trace length (e.g. 0.25,0.5) or token budgets (e.g. 256,1024)") from None
         if math.isfinite(value) and value > 1 and value.is_integer():
-            budgets.append(int(value))
+            budget = int(part) if part.isdigit() else int(value)  # exactly as written, not rounded through a float
         elif math.isfinite(value) and 0 < value <= 1:
-            budgets.append(value)
+            budget = value
         else:
             raise UsageError(f"--budget {part!r} is neither a fraction in (0, 1] of each problem's dense trace length "
                              "nor a whole number of tokens >= 2; e.g. 0.25,0.5 or 256,1024")
-    return tuple(sorted(set(budgets)))
+        if budget in budgets:  # a typo more often than a wish: the same cell would be listed twice
+            raise UsageError(f"--budget {text!r} gives {part} twice; give each budget once")
+        budgets.append(budget)
+    return tuple(sorted(budgets))
 
 
 def evicts(budget: float) -> bool:
@@ -178,6 +181,21 @@ class StudyConfig:
         if self.traces is not None and not Path(self.traces).is_file():
             raise UsageError(f"--traces {self.traces!r} does not exist" if not Path(self.traces).exists()
                              else f"--traces {self.traces!r} is not a file")
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        """Refuse token counts beyond the model's context and a filler id outside its vocabulary, read from its
+        config before any stage loads it: no trace could hold them, so every stage after the traces would fail."""
+        from models.loading import model_limits
+
+        limits = model_limits(self.model)
+        limits.check_flags({"--max-new-tokens": self.max_new_tokens, "--window": self.window,
+                            "--max-answer-tokens": self.max_answer_tokens, "--signal-window": self.signal_window})
+        for budget in self.budgets:
+            if budget > 1:
+                limits.check_tokens(f"--budget {budget}", budget, "the cache could never fill, so nothing is evicted")
+        if self.replacement.isdigit():
+            limits.check_token_ids([int(self.replacement)], f"--replacement {self.replacement}")
 
     @property
     def deployed_scorers(self) -> tuple[str, ...]:

@@ -203,6 +203,11 @@ def _to_problem(record: dict[str, Any], number: int, dataset: str, origin: str) 
     if question is None or answer is None:
         kind, fields = ("question", QUESTION_FIELDS) if question is None else ("answer", ANSWER_FIELDS)
         raise UsageError(f"{origin}: record {number} has no {kind} field (expected one of: {', '.join(fields)})")
+    for kind, value in (("question", question), ("answer", answer), ("id", _first(record, ID_FIELDS))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+            raise UsageError(f"{origin}: record {number}: its {kind} is a JSON {type(value).__name__}, not text")
+    if not str(question).strip():
+        raise UsageError(f"{origin}: record {number}: its question is empty")
     answer = str(answer)
     meta = {k: v for k, v in record.items() if k not in QUESTION_FIELDS + ANSWER_FIELDS}
     if dataset == "gsm8k" and "####" in answer:

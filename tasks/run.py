@@ -123,7 +123,8 @@ class GenerationConfig:
         limits.check_tokens(f"--max-new-tokens {self.max_new_tokens}", self.max_new_tokens)
         generated = ruler.parse_name(self.dataset) if self.data_file is None else None
         if generated is not None:
-            limits.check_tokens(f"ruler length {generated.context_tokens}", generated.context_tokens)
+            limits.check_tokens(f"dataset {self.dataset!r}: ruler length {generated.context_tokens}",
+                                generated.context_tokens)
         problems = load_problems(self.dataset, data_file=self.data_file, limit=self.limit, tokenizer=self.model)
         if self.problem_ids is None:
             return problems

@@ -284,6 +284,11 @@ def validate_layers(config: LayersConfig) -> LayersResult:
 def analyse(aligned: Aligned, config: LayersConfig, bands: bool = True) -> LayersResult:
     """The analysis of an aligned label/signal set (see the module docstring); `bands` False ranks the signals
     without looking for bands."""
+    longest = max((int(t.positions.max()) - int(t.positions.min()) + 1 for t in aligned.traces if t.positions.size),
+                  default=0)
+    if config.window is not None and longest and config.window > longest:
+        raise UsageError(f"--window {config.window} is longer than the longest aligned trace ({longest} positions): "
+                         f"the policy's rolling mean would never fill; give at most {longest}")
     n_informative = informative_traces(aligned)
     if n_informative <= 3:
         raise UsageError(

@@ -133,14 +133,18 @@ def read_dense_traces(path: str, limit: int | None = None) -> list[Trace]:
     return traces
 
 
-def traces_model(traces: Sequence[Trace], model: str | None) -> str:
-    """The model to run on `traces`: `model` when given, else the one model they were generated with."""
-    if model is not None:
-        return model
+def traces_model(traces: Sequence[Trace], model: str | None, where: str = "--traces") -> str:
+    """The model to run on `traces` (read from `where`, e.g. ``--traces FILE``, which errors name): `model` when
+    given, else the one model they were generated with; traces it cannot read (a token id outside its vocabulary,
+    more tokens than its context) are refused before it loads."""
+    from models.loading import model_limits
+
     models = {t.model for t in traces}
-    if len(models) != 1:
+    if model is None and len(models) != 1:
         raise UsageError(f"the traces come from several models ({', '.join(sorted(models))}); pass --model")
-    return models.pop()
+    name = model if model is not None else models.pop()
+    model_limits(name).check_traces(traces, where)
+    return name
 
 
 def claim_output(out: Path, identity: dict[str, Any]) -> RunDir:
@@ -202,12 +206,14 @@ def _layers(text: str) -> str | tuple[int, ...]:
     if text == "all":
         return text
     try:
-        return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+        return tuple(sorted({int(part) for part in text.split(",")}))
     except ValueError:
         raise UsageError(f"--layers {text!r}: give 'all' or comma-separated integers") from None
 
 
 def _run(argv: list[str] | None) -> int:
+    from models.loading import model_limits
+
     args = build_parser().parse_args(argv)
     bands = _bands(args.bands)
     signals = tuple(check_signals(s.strip() for s in args.signals.split(",") if s.strip()))
@@ -218,7 +224,11 @@ def _run(argv: list[str] | None) -> int:
                            band_smoothing=args.band_smoothing)
     config.check()
     traces = read_dense_traces(args.traces, args.limit)
-    model_name = traces_model(traces, args.model)
+    model_name = traces_model(traces, args.model, f"--traces {args.traces}")
+    limits = model_limits(model_name)
+    limits.check_flags({"--window": args.window})
+    if limits.layers is not None:
+        config.layer_indices(limits.layers)  # a layer the model lacks is refused before it loads
     out = Path(args.out)
     identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "dtype": args.dtype,
                 **config.record_settings()}
