@@ -151,31 +151,46 @@ class EvictionEngine:
         top_p: float = 1.0,
         ignore_eos: bool = False,
         seed: int | None = None,
+        forced: list[list[int]] | None = None,
     ) -> BatchResult:
         """Generate up to `max_new_tokens` per prompt (greedy at temperature 0, else nucleus sampling at `top_p`);
-        `budgets` overrides K per prompt."""
+        `budgets` overrides K per prompt.
+
+        `forced[b]` (optional) are tokens sequence b emits first, whatever the model predicts: a scripted trace
+        teacher-forced through the decode path, each token appended, observed, scored and evicted exactly like a
+        generated one; `max_new_tokens` then counts the tokens generated after them, and only those can stop it."""
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        forced = forced or [[] for _ in prompts]
+        if len(forced) != len(prompts):
+            raise UsageError(f"{len(forced)} forced prefixes for {len(prompts)} prompts")
         eos = set() if ignore_eos else _eos_ids(self.lm)
-        with self.session(prompts, budgets, max_new_tokens=max_new_tokens, seed=seed) as session:
+        steps = max(map(len, forced)) + max_new_tokens
+        with self.session(prompts, budgets, max_new_tokens=steps, seed=seed) as session:
             sampler = torch.Generator(device=session.device).manual_seed(session.seed + 1)
             with require_flash(self.model, "the eviction engine's prefill"):
                 logits = session.prefill()
             generated: list[list[int]] = [[] for _ in prompts]
-            finished = [False] * len(prompts)
+            stopped = [False] * len(prompts)  # at a stop token
+            finished = [False] * len(prompts)  # stopped, or max_new_tokens generated after the forced prefix
             session.begin_decode()
-            for index in range(max_new_tokens):
+            for index in range(steps):
                 tokens = pick_tokens(logits, temperature, top_p, sampler)
+                for seq, prefix in enumerate(forced):
+                    if index < len(prefix):
+                        tokens[seq] = prefix[index]
                 for seq, token in enumerate(tokens.tolist()):
                     if not finished[seq]:
                         generated[seq].append(token)
-                        finished[seq] = token in eos
-                if all(finished) or index == max_new_tokens - 1:
+                        free = len(generated[seq]) - len(forced[seq])
+                        stopped[seq] = free > 0 and token in eos
+                        finished[seq] = stopped[seq] or free >= max_new_tokens
+                if all(finished) or index == steps - 1:
                     break
                 with require_flash(self.model, "the eviction engine's decode", when=index == 0):
                     logits = session.step(tokens)
             session.end_decode()
-            reasons = ["eos" if done else "length" for done in finished]
+            reasons = ["eos" if done else "length" for done in stopped]
             return session.result(generated, reasons)
 
 

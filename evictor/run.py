@@ -150,6 +150,7 @@ class Batch:
     problems: tuple[Problem, ...]
     prompts: list[list[int]]
     budgets: list[int] | None  # None: the policy never evicts
+    forced: list[list[int]] | None = None  # per problem, the scripted trace teacher-forced first (known-answer tasks)
 
 
 @dataclass
@@ -362,6 +363,7 @@ def run_batch(worker: SweepWorker, batch: Batch) -> DecodedBatch:
         temperature=generation.temperature,
         top_p=generation.top_p,
         seed=derive_seed(generation.seed, ids),
+        forced=batch.forced,
     )
     wall = time.perf_counter() - started
     stats = result.stats
@@ -565,6 +567,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
     shared = config.identity()
     with RunDir(out, shared) as run, connected(backend):
         from models.loading import load_model
+        from tasks.known_answer import scripted_ids
         from tasks.prompts import build_prompt_ids
 
         # The driver's own copy checks the settings against the model and is the serial backend's worker.
@@ -573,6 +576,9 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
         )
         local = SweepWorker(build_engines(lm, config), config)
         prompts = {p.id: build_prompt_ids(lm.tokenizer, p) for p in problems}
+        # A known-answer problem's constructed trace is teacher-forced through the evicting decode path, then the
+        # model answers from what the cache kept; every other problem generates its own trace.
+        scripts = {p.id: scripted_ids(p, lm.tokenizer) for p in problems}
         generation.check_prompts(prompts)
         sweep = len(cells) > 1 or len(config.budgets) > 1
         protocols = {cell.label: config.protocol_for(cell.budget) for cell in cells}
@@ -616,7 +622,9 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
             for start in range(0, len(todo), config.batch_size):
                 chunk = todo[start : start + config.batch_size]
                 budgets = problem_budgets(cell, chunk, reference, generation.max_new_tokens)
-                batches.append(Batch(cell, tuple(chunk), [prompts[p.id] for p in chunk], budgets))
+                forced = [scripts[p.id] or [] for p in chunk]
+                batches.append(Batch(cell, tuple(chunk), [prompts[p.id] for p in chunk], budgets,
+                                     forced if any(forced) else None))
         total = len(cells) * len(problems)
         say = (lambda *_: None) if quiet else tqdm.write
 

@@ -197,12 +197,17 @@ def is_equivalent(pred: str | None, gold: str, *, verifier: MathVerifier | None 
 def grade(text: str, problem: Problem) -> dict:
     """Grade a model output against `problem`: answer (extracted or None), correct, no_answer, extracted_by.
 
-    Synthetic long-context problems (RULER) are graded by exact match of their answer items (`tasks.ruler.grade`).
+    Synthetic long-context problems (RULER) are graded by exact match of their answer items (`tasks.ruler.grade`),
+    known-answer problems on their answer statement only (`tasks.known_answer.grade`).
     """
     if "ruler" in problem.meta:
         from tasks import ruler
 
         return ruler.grade(text, problem)
+    from tasks import known_answer
+
+    if known_answer.META in problem.meta:
+        return known_answer.grade(text, problem)
     answer, rule = extract_answer_with_rule(text, problem.dataset)
     return {
         "answer": answer,

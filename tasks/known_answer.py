@@ -266,6 +266,28 @@ def problem_trace(problem: Problem, tokenizer: Any, model: str) -> Trace:
     )
 
 
+def scripted_ids(problem: Problem, tokenizer: Any) -> list[int] | None:
+    """What an evicting run teacher-forces after a known-answer problem's prompt: its constructed reasoning and the
+    answer cue, up to the answer's first token, so the model states the answer from whatever the cache kept; None for
+    any other problem (the model generates its own trace)."""
+    if META not in problem.meta:
+        return None
+    trace = problem_trace(problem, tokenizer, "")
+    return list(trace.generated_ids[: trace.extra[META]["answer_token"] - len(trace.prompt_ids)])
+
+
+def grade(text: str, problem: Problem) -> dict[str, Any]:
+    """Grade a continuation of a known-answer trace: the answer is read after the last ``</think>`` only (the answer
+    statement), never from the reasoning, whose notes hold every code: a model that leaves its box open must not
+    be credited with the last code the reasoning mentioned."""
+    from tasks.grading import extract_answer_with_rule, is_equivalent
+
+    statement = text[text.rfind(THINK_END) + len(THINK_END):] if THINK_END in text else text
+    answer, rule = extract_answer_with_rule(statement, problem.dataset)
+    return {"answer": answer, "correct": is_equivalent(answer, problem.answer), "no_answer": answer is None,
+            "extracted_by": rule}
+
+
 def answer_traces(lm: Any, traces: Sequence[Trace], max_new_tokens: int = 8) -> list[Trace]:
     """`traces` (from `problem_trace`) with ``answer`` / ``correct`` / ``no_answer`` / ``extracted_by`` set from what
     `lm` (a `models.loading.LoadedModel`) answers, greedily, after the unoccluded reasoning and the forced cue.

@@ -144,6 +144,24 @@ def test_problem_trace_maps_the_spans_to_tokens():
         problem_trace(Problem("p1", "What is 1 + 1?", "2", "gsm8k"), TOKENIZER, "tiny")
 
 
+def test_scripted_ids_stop_where_the_answer_starts_and_grading_reads_only_the_statement():
+    problem = load_problems("known_facts@2", limit=1)[0]
+    trace = problem_trace(problem, TOKENIZER, "tiny")
+    script = known_answer.scripted_ids(problem, TOKENIZER)
+    assert script == trace.generated_ids[:trace.extra[META]["answer_token"] - len(trace.prompt_ids)]
+    assert TOKENIZER.decode(script).endswith(CUE)  # the model's first free token is the answer's
+    assert known_answer.scripted_ids(Problem("p1", "What is 1 + 1?", "2", "gsm8k"), TOKENIZER) is None
+    decoy = problem.meta[META]["decoys"][0]
+    decoy_value = problem.meta[META]["text"][slice(*decoy["value"])]
+    prefix = problem.meta[META]["text"][:problem.meta[META]["answer_char"]]  # the reasoning and the cue
+    right = known_answer.grade(prefix + problem.answer + "}.", problem)
+    assert right["correct"] and right["answer"] == problem.answer
+    # a box left open: the reasoning's notes hold every code, yet no answer was stated
+    unanswered = known_answer.grade(prefix, problem)
+    assert unanswered["no_answer"] and not unanswered["correct"]
+    assert known_answer.grade(prefix + decoy_value + "}", problem)["correct"] is False
+
+
 def test_answer_traces_reads_the_answer_after_the_forced_cue(tiny_llama):
     problem = load_problems("known_facts", limit=1)[0]
     trace = problem_trace(problem, tiny_llama.tokenizer, "tiny")

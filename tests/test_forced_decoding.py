@@ -1,0 +1,37 @@
+"""`EvictionEngine.generate(forced=...)`: a scripted trace teacher-forced through the decode path, then generation.
+
+Without eviction, forcing a trace after the prompt and then decoding greedily is decoding greedily from the prompt
+and the trace together; under eviction, the forced tokens go through the same rounds as generated ones, so a budget
+smaller than the trace evicts some of them and the peak cache stays at the budget's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import UsageError
+from evictor.engine import EvictionEngine
+from evictor.protocol import EvictionConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_forced_prefix_then_greedy_equals_greedy_after_prompt_and_prefix(tiny_llama):
+    prompt, forced = list(range(5, 17)), [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    engine = EvictionEngine(tiny_llama, "full", EvictionConfig(budget=10_000))
+    scripted = engine.generate([prompt], 6, forced=[forced], ignore_eos=True).sequences[0]
+    plain = engine.generate([prompt + forced], 6, ignore_eos=True).sequences[0]
+    assert scripted.generated_ids[:len(forced)] == forced
+    assert scripted.generated_ids[len(forced):] == plain.generated_ids  # 6 tokens after the forced ones
+    batch = engine.generate([prompt, prompt[:7]], 6, forced=[forced, forced[:3]], ignore_eos=True).sequences
+    assert [len(s.generated_ids) for s in batch] == [len(forced) + 6, 3 + 6]
+
+
+def test_forced_tokens_are_evicted_like_generated_ones(tiny_llama):
+    prompt, forced = list(range(5, 13)), list(range(60, 100))
+    engine = EvictionEngine(tiny_llama, "random", EvictionConfig(budget=16, buffer=4, protect="sinks"))
+    sequence = engine.generate([prompt], 4, forced=[forced], ignore_eos=True).sequences[0]
+    assert sequence.generated_ids[:len(forced)] == forced and len(sequence.generated_ids) == len(forced) + 4
+    assert sequence.rounds > 0 and max(sequence.cache_sizes) <= 16 + 2 * 4 + 1
+    with pytest.raises(UsageError, match="2 forced prefixes for 1 prompts"):
+        engine.generate([prompt], 4, forced=[forced, forced])
