@@ -84,6 +84,14 @@ def is_long_context(dataset: str) -> bool:
     return parse_name(dataset) is not None
 
 
+def is_known_answer(dataset: str) -> bool:
+    """A known-answer task (`tasks.known_answer`): constructed traces, teacher-forced, whose facts sit at known
+    positions, so the labels and every scorer are checked against them."""
+    from tasks.known_answer import parse_name
+
+    return parse_name(dataset) is not None
+
+
 # Why a study of a long-context task has no labelling stage: what occlusion of the generated trace would label.
 LONG_CONTEXT_LABELS = ("a RULER task's answer has no reasoning span to occlude (its evidence is the prompt), so the "
                        "study measures accuracy against compression only")

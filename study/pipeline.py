@@ -30,9 +30,9 @@ from core.rundir import RunDir, source_revision
 from labeling.occlusion import estimate_seconds as labelling_seconds
 from labeling.occlusion import format_duration
 from study import stages
-from study.config import LONG_CONTEXT_LABELS, StudyConfig, evicts, is_long_context
+from study.config import LONG_CONTEXT_LABELS, StudyConfig, evicts, is_known_answer, is_long_context
 
-STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "compare")
+STAGES = ("traces", "labels", "agreement", "signals", "selection", "known", "evictor", "compare")
 MARKER = "stage.json"
 STAGE_DIR = "stages"
 IDENTITY = {"run": "kvscope study"}  # refuses an --out that holds another tool's run
@@ -114,13 +114,15 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
         "evictor": {"generation": generation.identity(), "problems": ids, "budgets": list(config.budgets),
                     "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems,
                     **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
+        "known": {"level": config.level, "n_boot": config.n_boot, "seed": config.seed},
         "compare": {"n_boot": config.compare_n_boot, "level": config.level, "seed": config.seed,
                     "reference": stages.REFERENCE},
     }
 
 
 INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels"), "signals": ("traces", "labels"),
-          "selection": ("labels", "signals", "agreement"), "evictor": ("traces", "selection"), "compare": ("evictor",)}
+          "selection": ("labels", "signals", "agreement"), "known": ("traces", "labels", "signals"),
+          "evictor": ("traces", "selection", "known"), "compare": ("evictor",)}
 
 
 def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int) -> float | None:
@@ -244,9 +246,14 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
         study.run("selection", settings["selection"],
                   lambda d: stages.selection_stage(config, rec["labels"].outputs, rec["signals"].outputs, d, paths,
                                                    rec["agreement"].outputs))
+        study.run("known", settings["known"],
+                  lambda d: stages.known_stage(config, rec["traces"].outputs, rec["labels"].outputs,
+                                               rec["signals"].outputs, paths),
+                  off=None if is_known_answer(config.dataset) else "not a known-answer task (tasks.known_answer)")
         study.run("evictor", settings["evictor"],
                   lambda d: stages.evictor_stage(config, rec["traces"].outputs, rec["labels"].outputs,
-                                                 rec["selection"].outputs, d, paths, backend, quiet))
+                                                 rec["selection"].outputs, rec["known"].outputs, d, paths, backend,
+                                                 quiet))
         study.run("compare", settings["compare"], lambda d: stages.compare_stage(config, rec["evictor"].outputs, paths))
         result = StudyResult(config, out, dict(rec), command or [], time.perf_counter() - started)
         write_report(result)

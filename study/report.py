@@ -17,6 +17,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.cli import atomic_write
 from core.errors import UsageError
 from core.rundir import source_revision
@@ -31,6 +33,11 @@ COMPARE_COLUMNS = ("config", "sweep", "policy_a", "budget_a", "policy_b", "budge
                    "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p", "sign_p_value", "sign_a_better",
                    "sign_b_better", "sign_n_discordant", "peak_slots_a", "peak_slots_b", "equal_cache", "significant",
                    "error")
+
+
+def defaults_of(result) -> dict[str, dict[str, Any]]:
+    """The default configurations the study's evictor ran (`study.stages.default_configs`)."""
+    return stages.default_configs(result.config, result["known"])
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -102,7 +109,7 @@ def primary_config(result) -> tuple[str, dict[str, Any]]:
     if not chosen:
         return PRIMARY_DEFAULT, ran_configs(result)[PRIMARY_DEFAULT]
     name = chosen[0]["name"]
-    runs_as = stages.ran_as(name, result["selection"]["configs"][name], stages.default_configs(result.config))
+    runs_as = stages.ran_as(name, result["selection"]["configs"][name], defaults_of(result))
     return runs_as, ran_configs(result)[runs_as]
 
 
@@ -112,7 +119,7 @@ def write_selection(result) -> dict[str, Any]:
     for name, config in configs.items():
         write_json(out / "configs" / f"{name}.json", config)
     name, primary = primary_config(result)
-    defaults = stages.default_configs(result.config)
+    defaults = defaults_of(result)
     ranking = []
     if selection.get("ranking"):
         ranking = read_rows(stages.Paths(out).abs(selection["ranking"]))
@@ -346,7 +353,7 @@ def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> s
                                                        " (**the best scorer changes**)")
                   for r in robustness["agreement"]]
     if selection["chosen"]:
-        defaults = stages.default_configs(result.config)
+        defaults = defaults_of(result)
         rows = [[stages.ran_as(c["name"], selection["configs"][c["name"]], defaults), c["policy"],
                  f"`{c['params']}`", c["signal"], fmt(c["within_rho"]), interval(c, "within_t")]
                 for c in selection["chosen"]]
@@ -417,7 +424,7 @@ def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
 def offline_rows(result, ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each configuration the evictor ran, with the offline statistic of the score it deploys: a selected
     configuration's chosen signal, a policy at its default parameters its own aggregate score (``<policy>.agg.raw``)."""
-    by_signal, defaults = {row["signal"]: row for row in ranking}, stages.default_configs(result.config)
+    by_signal, defaults = {row["signal"]: row for row in ranking}, defaults_of(result)
     chosen = {stages.ran_as(c["name"], result["selection"]["configs"][c["name"]], defaults): c["signal"]
               for c in result["selection"]["chosen"]}
     rows = []
@@ -491,6 +498,65 @@ def reproduce_section(result, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def known_line(result, comparisons: list[dict]) -> str:
+    """The known-answer task's answer in a few sentences: label recall and precision, the scorer that finds the
+    planted facts, and eviction by it against random."""
+    known = result["known"]
+    if "labels" not in known:
+        return f"No known-answer check: {known.get('reason', 'no labels')}."
+    labels = known["labels"]
+    lines = [f"Against the planted facts the labels have recall {pct(labels['recall'])} "
+             f"[{pct(labels['recall_lo'])}, {pct(labels['recall_hi'])}] ({labels['planted_flipped']} of "
+             f"{labels['planted_windows']} planted windows flipped) and precision {pct(labels['precision'])} "
+             f"[{pct(labels['precision_lo'])}, {pct(labels['precision_hi'])}] over {labels['traces']} traces."]
+    best = next((r for r in known["auc"] if r["scorer"] == known.get("finding")), None)
+    if best is None:
+        return " ".join(lines + ["No scorer ranks the planted facts above chance by its AUCs."])
+    lines.append(f"The scorer that finds them is {best['scorer']} (AUC of the needed value's tokens over the decoys' "
+                 f"{fmt(best['auc_decoy'])}, over the filler {fmt(best['auc_filler'])}).")
+    evicted = [r for r in comparisons if r.get("config") == best["scorer"] and not r.get("error")]
+    for r in evicted:
+        lines.append(f"Evicting by it at budget {budget_text(r['budget_a'])}: {pct(r['accuracy_a'])} against "
+                     f"{REFERENCE}'s {pct(r['accuracy_b'])} at equal peak cache ({100 * r['difference']:+.1f} points "
+                     f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}], n = {r['n_problems']}"
+                     + (", significant)." if r["significant"] else ", not significant)."))
+    if not evicted:
+        lines.append("It did not run in the evictor: no budget below 1.")
+    return " ".join(lines)
+
+
+def known_section(result) -> str:
+    """The known-answer check: window classes, label recall and precision, every scorer's AUC."""
+    known = result["known"]
+    if "labels" not in known:
+        return f"No known-answer check: {known.get('reason', 'no labels')}."
+    labels = known["labels"]
+    rows = [[cls, labels[f"{cls}_windows"], labels[f"{cls}_flipped"]] for cls in ("planted", "key", "decoy", "filler",
+                                                                                 "flush")]
+    lines = ["The traces are constructed (`tasks.known_answer`): the answer copies one note's value, which appears "
+             "nowhere else in the context, and decoy notes of the same form are not needed. A window is *planted* "
+             "when it overlaps the needed value, *key* when it touches the rest of the needed note only (neither "
+             "positive nor negative), *decoy* or *filler* otherwise; *flush* counts the windows ending at the answer "
+             f"boundary, whatever their class ({labels['excluded']} windows without an answer left out under the "
+             "no-answer rule).", "", table(["window class", "windows", "flipped"], rows), "",
+             f"- recall {pct(labels['recall'])} [{pct(labels['recall_lo'])}, {pct(labels['recall_hi'])}]; precision "
+             f"{pct(labels['precision'])} [{pct(labels['precision_lo'])}, {pct(labels['precision_hi'])}]; decoy "
+             f"windows that kept the answer {pct(labels['decoy_kept'])}, filler windows {pct(labels['filler_kept'])} "
+             "(Wilson intervals over windows, which share their trace's context, so they are somewhat narrow)."]
+    if known["auc"]:
+        rows = [[r["scorer"], fmt(r["auc_decoy"]), f"[{fmt(r['auc_decoy_lo'])}, {fmt(r['auc_decoy_hi'])}]",
+                 fmt(r["auc_filler"]), f"[{fmt(r['auc_filler_lo'])}, {fmt(r['auc_filler_hi'])}]", r["traces"]]
+                for r in sorted(known["auc"], key=lambda r: -min(np.nan_to_num(r["auc_decoy"]),
+                                                               np.nan_to_num(r["auc_filler"])))]
+        lines += ["", "Each replayed scorer (its own aggregate score, higher = keep): the probability that a token of "
+                  "the needed value scores above a token of a decoy's value, and above a filler token, per trace, "
+                  "averaged, with a bootstrap over traces (0.5 is chance; every decoy precedes the needed note, so "
+                  "a score that grows with position wins against the decoys by construction, not against the filler "
+                  "after the needed note):", "",
+                  table(["scorer", "AUC vs decoys", "interval", "AUC vs filler", "interval", "traces"], rows)]
+    return "\n".join(lines)
+
+
 def answer_line(result, comparisons: list[dict]) -> str:
     selection = result["selection"]
     if selection["status"] == "selected":
@@ -528,10 +594,16 @@ def write_report(result) -> Path:
         "occlusion labels, EpiKV §3.4), and does evicting the KV cache by the best of them keep more answers than "
         "evicting at random with the prompt kept (Random Attention) at equal peak cache? Each paper's default scorer "
         f"({defaults}) runs beside the selected ones.")
+    known = result.stages["known"].status != "off"
+    if known:
+        question = ("Do the occlusion labels find the facts a constructed trace's answer depends on (planted at known "
+                    "positions, beside decoys of the same form), which scorer finds them, and does evicting by it "
+                    "keep more answers than evicting at random at equal peak cache?")
     parts = [
         f"# kvscope study: {c.model} on {c.dataset}", "",
         f"**Question.** {question}",
-        "", f"**Answer.** {answer_line(result, comparisons)}", "",
+        "", f"**Answer.** {known_line(result, comparisons) if known else answer_line(result, comparisons)}", "",
+        *(["## The known answer", "", known_section(result), ""] if known else []),
         "## Settings", "", settings_section(result), "",
         "## Stages", "", stages_section(result), "",
         "## 1. Traces and occlusion labels", "", labels_section(result), "",

@@ -26,7 +26,15 @@ import numpy as np
 from core.backend import BackendConfig
 from core.errors import UsageError
 from core.schemas import Label, Trace, read_records
-from study.config import AGREEMENT_REPLACEMENTS, BASELINES, PAPER_DEFAULTS, REFERENCE, StudyConfig, evicts
+from study.config import (
+    AGREEMENT_REPLACEMENTS,
+    BASELINES,
+    PAPER_DEFAULTS,
+    REFERENCE,
+    StudyConfig,
+    evicts,
+    is_known_answer,
+)
 
 Outputs = dict[str, Any]
 TRACES_FILE = "generations.jsonl"
@@ -91,12 +99,35 @@ def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backen
     if config.traces is not None:
         traces = check_reused_traces(config, problems)
         file = Path(config.traces).resolve()
+    elif is_known_answer(config.dataset):
+        traces, file = _construct(config, problems, path), path / TRACES_FILE
     else:
         traces, file = _generate(config, problems, path, backend), path / TRACES_FILE
     speeds = sorted(t.timings.get("tokens_per_s") or 0 for t in traces)
     return {"traces": paths.rel(file), "n": len(traces), "correct": sum(bool(t.correct) for t in traces),
             "mean_generated": sum(len(t.generated_ids) for t in traces) / len(traces),
             "tokens_per_s": speeds[len(speeds) // 2] or None, "reused_file": config.traces is not None}
+
+
+def _construct(config: StudyConfig, problems, path: Path) -> list[Trace]:
+    """The constructed traces of a known-answer task (`tasks.known_answer.problem_trace`), each answered by the model
+    after its unoccluded reasoning and the forced cue (`answer_traces`): correct when it states the planted value."""
+    from core.rundir import RunDir
+    from models.loading import load_model
+    from tasks.known_answer import answer_traces, problem_trace
+
+    generation = generation_config(config)
+    with RunDir(path, {"constructed": generation.identity()}) as run:
+        store = run.store(TRACES_FILE)
+        todo = [p for p in problems if p.id not in store]
+        if todo:
+            lm = load_model(config.model, device=config.device, dtype=config.dtype)
+            run.save_config(**dataclasses.asdict(generation), loaded_model=lm.describe(),
+                            traces="constructed by tasks.known_answer, answered under the forced cue")
+            for trace in answer_traces(lm, [problem_trace(p, lm.tokenizer, config.model) for p in todo]):
+                store.append(trace.to_json())
+        by_id = {str(r["id"]): Trace.from_json(r, str(store.path)) for r in store.records}
+    return [by_id[p.id] for p in problems]
 
 
 def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig) -> list[Trace]:
@@ -117,7 +148,8 @@ def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths,
         return {"labels": None, "labelled": 0, "skipped": 0, "eligible": 0,
                 "reason": f"no correctly answered trace among {traces['n']} (rerun with --include-incorrect to "
                           "label against the model's own answers)"}
-    job = OcclusionJob(config=occlusion, traces=str(trace_file), dataset=config.dataset, model=config.model,
+    # The traces name their dataset (a generated task its canonical name, e.g. known_facts@1).
+    job = OcclusionJob(config=occlusion, traces=str(trace_file), dataset=None, model=config.model,
                        device=config.device)
     try:
         labels = run_occlusion(job, path, backend).labels
@@ -166,7 +198,7 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
     for spec in AGREEMENT_REPLACEMENTS:
         if spec in (main["spec"], main["chosen"]):  # the study's own labels already fill this way
             continue
-        job = OcclusionJob(config=config.occlusion(spec), traces=str(subset), dataset=config.dataset,
+        job = OcclusionJob(config=config.occlusion(spec), traces=str(subset), dataset=None,
                            model=config.model, device=config.device)
         try:
             result = run_occlusion(job, path / spec, backend)
@@ -244,14 +276,17 @@ def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: P
 
 
 # --- selection ------------------------------------------------------------------------------------------------------
-def default_configs(config: StudyConfig) -> dict[str, dict[str, Any]]:
-    """The configurations every study's evictor stage runs: each paper's default scorer and the baselines, and with
+def default_configs(config: StudyConfig, known: Outputs | None = None) -> dict[str, dict[str, Any]]:
+    """The configurations every study's evictor stage runs: each paper's default scorer and the baselines, with
     --deploy-scorers every replayed scorer at its default parameters (so the offline statistic of each can be set
-    beside what eviction by it keeps)."""
+    beside what eviction by it keeps), and on a known-answer task the scorer that finds the planted facts (`known`,
+    the known stage's outputs), so the report can say what evicting by it keeps."""
     papers = {policy: paper for paper, policy in PAPER_DEFAULTS.items()}
-    names = dict.fromkeys([*PAPER_DEFAULTS.values(), *BASELINES, *config.deployed_scorers])
+    finding = (known or {}).get("finding")
+    names = dict.fromkeys([*PAPER_DEFAULTS.values(), *BASELINES, *config.deployed_scorers,
+                           *([finding] if finding else [])])
     roles = {name: f"{papers[name]} default" if name in papers else "baseline" if name in BASELINES else
-             "deployed scorer" for name in names}
+             "deployed scorer" if name in config.deployed_scorers else "finds the planted facts" for name in names}
     return {name: {"policy": name, "params": {}, "provenance": {"source": "study", "role": roles[name]}}
             for name in names}
 
@@ -348,11 +383,44 @@ def inconclusive(reason: str, n_traces: int, n_eff: int) -> Outputs:
             "configs": {}, "ranking": None, "bands": [], "band_layers": None}
 
 
+# --- known answers ---------------------------------------------------------------------------------------------------
+def known_stage(config: StudyConfig, traces: Outputs, labels: Outputs, signals: Outputs, paths: Paths) -> Outputs:
+    """On a known-answer task, the labels and the scorers checked against the planted facts
+    (`validation.known_answer`): the labeller's window-level recall and precision, and each replayed scorer's AUC
+    (its own aggregate score) for ranking the needed value's tokens above the decoys' and above the filler."""
+    from validation.known_answer import fact_spans, finding_scorer, label_scores, scorer_auc
+    from validation.signals import SignalSet, SignalTrace, read_signals
+
+    if labels.get("labels") is None:
+        return {"reason": labels.get("reason") or "no labels"}
+    spans = {t.id: fact_spans(t) for t in read_traces(paths.abs(traces["traces"]))}
+    scores = label_scores(read_records(paths.abs(labels["labels"]), Label), spans, config.level)
+    out: Outputs = {"labels": scores.to_json(), "auc": []}
+    replay = next((f for f in signals.get("files", []) if f.endswith(REPLAY_FILE)), None)
+    if replay is None:
+        return out
+    every = read_signals(paths.abs(replay))
+    names = [f"{scorer}.agg.raw" for scorer in config.scorers if f"{scorer}.agg.raw" in every.names]
+    columns = [every.names.index(name) for name in names]
+    aggregates = SignalSet(names, [SignalTrace(t.id, t.positions, t.values[:, columns]) for t in every.traces])
+    found = {against: scorer_auc(aggregates, spans, against=against, level=config.level, n_boot=config.n_boot,
+                                 seed=config.seed) for against in ("decoy", "filler")}
+    for decoy, filler in zip(found["decoy"], found["filler"]):
+        out["auc"].append({"scorer": decoy.name.removesuffix(".agg.raw"), "auc_decoy": decoy.auc,
+                           "auc_decoy_lo": decoy.auc_lo, "auc_decoy_hi": decoy.auc_hi, "auc_filler": filler.auc,
+                           "auc_filler_lo": filler.auc_lo, "auc_filler_hi": filler.auc_hi, "traces": decoy.traces})
+    # random is the reference eviction is compared with, never a finding however its AUC falls
+    best = finding_scorer([row for row in out["auc"] if row["scorer"] != "random"])
+    out["finding"] = best["scorer"] if best is not None else None
+    return out
+
+
 # --- evictor --------------------------------------------------------------------------------------------------------
-def sweeps(config: StudyConfig, selection: Outputs) -> dict[str, dict[str, dict[str, Any]]]:
-    """Sweep name -> its configurations: the baselines and paper defaults in one sweep, each selected configuration
-    not among them in its own (one sweep holds one configuration per policy name)."""
-    defaults = default_configs(config)
+def sweeps(config: StudyConfig, selection: Outputs,
+           known: Outputs | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Sweep name -> its configurations: the baselines and paper defaults (`default_configs`) in one sweep, each
+    selected configuration not among them in its own (one sweep holds one configuration per policy name)."""
+    defaults = default_configs(config, known)
     evicting = [b for b in config.budgets if evicts(b)]
     plan = {BASELINE_SWEEP: defaults if evicting else {"full": defaults["full"]}}
     if not evicting:
@@ -389,8 +457,8 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
                        reference=str(reference), batch_size=config.batch_size)
 
 
-def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, path: Path,
-                  paths: Paths, backend: BackendConfig, quiet: bool) -> Outputs:
+def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, known: Outputs,
+                  path: Path, paths: Paths, backend: BackendConfig, quiet: bool) -> Outputs:
     """Every configuration at every budget under one protocol (`evictor.run.run_sweep`), fractions of each problem's
     dense trace length or K in tokens; on every problem, or with ``evict_problems="labelled"`` on the labelled ones
     (all problems when none was labelled, so the baselines still run)."""
@@ -400,7 +468,7 @@ def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selecti
     labelled = tuple(labels.get("labelled_ids") or ())
     problem_ids = labelled if config.evict_problems == "labelled" and labelled else None
     cells, plan = [], {}
-    for name, configs in sweeps(config, selection).items():
+    for name, configs in sweeps(config, selection, known).items():
         out = path / name
         rows = run_sweep(sweep_config(config, configs, reference, problem_ids), out, backend=backend, quiet=quiet)
         plan[name] = {"path": paths.rel(out), "configs": configs}

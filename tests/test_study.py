@@ -23,12 +23,14 @@ from scipy.stats import spearmanr
 import tasks.grading
 from core.rundir import RunDir
 from evictor.run import main as evictor_main
+from study import pipeline
 from study.__main__ import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCORERS = "epikv,valuediff,keydiff,h2o,recency,random"
-STAGES = ("traces", "labels", "agreement", "signals", "selection", "evictor", "compare")
+# The stages a study of a reasoning task runs; "known" runs on known-answer tasks only (off here).
+STAGES = tuple(name for name in pipeline.STAGES if name != "known")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,7 @@ def test_the_study_writes_every_deliverable(study):
                     "## 4. Against random", "### What is significant", "## Reproduce"):
         assert heading in report
     assert set(stage_statuses(report).values()) == {"computed"}
+    assert re.search(r"^\| known \| off \|", report, re.M) and "## The known answer" not in report
     for stem in ("scorer_ranking", "layer_rho", "signals_by_layer", "accuracy_budget", "difference_vs_random"):
         assert (study / "figures" / f"{stem}.png").stat().st_size > 0
         assert f"](figures/{stem}.png)" in report
@@ -336,3 +339,34 @@ def test_a_ruler_study_refuses_a_protected_prompt(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--protect prompt on ruler_niah_single@512 keeps the whole haystack" in err and "sinks, none" in err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def _toy_known_answer(text: str, dataset: str | None = None) -> tuple[str, str]:
+    """The first two characters after the last opening brace (the forced cue's ``\\boxed{``): what the random model
+    'answers', so a window flips when it changes them."""
+    return text[text.rfind("{") + 1:][:2] or "-", "toy"
+
+
+def test_a_known_answer_study_opens_with_the_labels_against_the_planted_facts(tiny_dir, tmp_path):
+    out = tmp_path / "known"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tasks.grading, "extract_answer_with_rule", _toy_known_answer)
+        patch.setattr(tasks.grading, "is_equivalent", _same)
+        assert main(["--model", str(tiny_dir), "--dataset", "known_facts@1", "--limit", "3", "--max-new-tokens", "4",
+                     "--include-incorrect", "--budget", "0.5", "--stride", "32", "--agreement-traces", "1",
+                     "--scorers", "recency,keydiff,random", "--n-boot", "50", "--compare-n-boot", "50", "--quiet",
+                     "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert report.index("## The known answer") < report.index("## Settings")
+    assert re.search(r"^\*\*Answer\.\*\* Against the planted facts the labels have recall", report, re.M)
+    assert re.search(r"^\| known \| computed \|", report, re.M)
+    known = json.loads(next(out.glob("stages/known-*/stage.json")).read_text())["outputs"]
+    labels = known["labels"]
+    assert labels["traces"] == 3 and labels["planted_windows"] >= 3  # every trace has its needed value windowed
+    assert sum(labels[f"{c}_windows"] for c in ("planted", "key", "decoy", "filler")) + labels["excluded"] > 0
+    assert [row["scorer"] for row in known["auc"]] == ["recency", "keydiff", "random"]
+    recency = known["auc"][0]
+    assert recency["auc_decoy"] == 1.0  # every decoy precedes the needed note: recency ranks it above them all
+    accuracy = {row["policy"] for row in csv.DictReader((out / "accuracy.csv").open())}
+    if known["finding"] is not None:  # the scorer that finds the facts ran in the evictor, to set beside random
+        assert known["finding"] in accuracy and known["finding"] != "random"

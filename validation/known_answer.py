@@ -24,7 +24,8 @@ windows / planted windows, precision = flipped planted windows / flipped planted
 a Wilson interval (`validation.stats.wilson_interval`), which treats windows as independent (they are not quite:
 windows of one trace share its context, so the intervals are somewhat narrow). The share of decoy and filler windows
 that kept the answer is the specificity per class. A window whose ``flipped`` is None (a labeller that leaves an
-outcome out of its label rule) is counted as ``excluded`` and used nowhere else. Windows flush with the answer
+outcome out of its label rule, as the exclude and own-class rules leave out a window after which no answer came
+back) is counted as ``excluded`` and used nowhere else. Windows flush with the answer
 boundary (``end == answer_start``), where a filler block right before the answer may make the model print filler,
 are counted separately as well (``flush``), whatever their class.
 
@@ -40,6 +41,7 @@ needed note, it has not.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,7 @@ import numpy as np
 
 from core.errors import UsageError, unknown_choice
 from core.schemas import Label, Trace
+from labeling.windows import DEGENERATE, NO_ANSWER
 from tasks.known_answer import META
 from validation.signals import SignalSet
 from validation.stats import DEFAULT_N_BOOT, bootstrap_means, percentile_interval, wilson_interval
@@ -167,6 +170,8 @@ def label_scores(labels: Sequence[Label], spans: Mapping[str, FactSpans], level:
         traces += 1
         for window in label.windows:
             start, end, flip = int(window["start"]), int(window["end"]), window["flipped"]
+            if label.no_answer_rule not in (None, "flip") and window.get("outcome") in (NO_ANSWER, DEGENERATE):
+                flip = None  # under its rule a window without an answer is no evidence either way
             if flip is None:
                 excluded += 1
                 continue
@@ -265,3 +270,17 @@ def scorer_auc(signals: SignalSet, spans: Mapping[str, FactSpans], part: str = "
         results.append(ScorerAUC(name, float(column[kept].mean()), float(lo[j]), float(hi[j]), int(kept.sum()),
                                  {i: float(v) for i, v, k in zip(ids, column, kept) if k}))
     return results
+
+
+def finding_scorer(auc: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The row of `auc` (one per scorer: ``auc_decoy`` and ``auc_filler``, as the study's known stage writes them)
+    whose lower AUC is highest: a scorer that finds the planted facts must rank the needed value above the decoys
+    *and* above the filler, and a score that grows with position passes the first by construction (every decoy
+    precedes the needed note) but not the second. None when no row has both AUCs, or none is above chance (0.5)."""
+    def lower(row: Mapping[str, Any]) -> float:
+        values = [row.get("auc_decoy"), row.get("auc_filler")]
+        return min(values) if all(isinstance(v, float) and math.isfinite(v) for v in values) else float("nan")
+
+    defined = [row for row in auc if math.isfinite(lower(row))]
+    best = max(defined, key=lower, default=None)
+    return best if best is not None and lower(best) > 0.5 else None
