@@ -90,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "bars and the dense baseline as a horizontal line.", FIGURE,
                            "policy, budget, accuracy, ci_lo, ci_hi (fractions; an evictor.run summary.csv draws as is)")
     parser.add_argument("--dense", default=DENSE_POLICY,
-                        help=f"policy name of the no-eviction baseline (default {DENSE_POLICY!r})")
+                        help=f"policy name of the no-eviction baseline, one of the table's policies (default "
+                        f"{DENSE_POLICY!r}, drawn where the table has it)")
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, (COLUMNS,))
 
 if __name__ == "__main__":
     raise SystemExit(main())

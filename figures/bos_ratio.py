@@ -18,11 +18,12 @@ from matplotlib.lines import Line2D
 from figures.cli import figure_main, figure_parser
 from figures.labels import label_points
 from figures.reference import VALUEDIFF_TABLE5_LABEL, valuediff_reference
-from figures.sink_ratio import RATIO_LABEL, mark_ratio_one, model_ratios, whole_models
+from figures.sink_ratio import RATIO_LABEL, mark_ratio_one, model_ratios, whole_models, with_ratio
 from figures.style import DIVERGING_CMAP, REFERENCE_GREY, REFERENCE_TEXT, figure_style, new_figure
 from figures.tables import checked, require_range
 
 FIGURE = "bos_ratio"
+COLUMNS = ("model", "bos_cos", "gap")
 DEFAULT_GAP_LABEL = "ValueDiff − KeyDiff accuracy (points)"
 
 
@@ -42,7 +43,7 @@ def plot_bos_vs_ratio(data, *, gap_label: str = DEFAULT_GAP_LABEL, reference: bo
     hollow points; the paper gives no single gap per model, so they carry no colour. Returns a Figure with two Axes
     (the plot and its colour bar).
     """
-    df = checked(data, FIGURE, required=("model", "bos_cos", "gap"),
+    df = checked(data, FIGURE, required=COLUMNS,
                  numeric=("bos_cos", "gap", "sigma_ratio", "sigma_k", "sigma_v"), finite=("bos_cos", "gap"))
     df = whole_models(df, FIGURE)
     require_range(df, "bos_cos", -1.0, 1.0, FIGURE)
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, with_ratio(COLUMNS))
 
 if __name__ == "__main__":
     raise SystemExit(main())

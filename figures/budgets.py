@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from core.errors import UsageError
+from core.errors import UsageError, unknown_choice
 from figures.style import DENSE_COLOUR
+from figures.tables import in_order
 
 DENSE_POLICY = "full"
 DODGE_OCTAVES = 0.06  # horizontal offset between policies on the log2 budget axis, so error bars do not overlap
@@ -16,9 +17,15 @@ DODGE_OCTAVES = 0.06  # horizontal offset between policies on the log2 budget ax
 def split_dense(df: pd.DataFrame, dense: str, figure: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(evicting policies' rows, the dense rows); budgets of evicting rows must be positive and finite.
 
-    The dense run has no budget (EpiKV runs it once and copies it across budgets), so its budget is ignored.
+    The dense run has no budget (EpiKV runs it once and copies it across budgets), so its budget is ignored. A table
+    may lack the default dense policy (a sweep run without one: no baseline is drawn), but a `dense` named otherwise
+    must be one of the table's policies: a misspelt name would draw the baseline as an evicting policy, or fail on
+    its missing budget with a message that does not say why.
     """
     df = df.assign(policy=df["policy"].astype(str))
+    policies = in_order(df["policy"])
+    if dense != DENSE_POLICY and dense not in policies:
+        raise unknown_choice("dense policy", dense, policies)
     dense_rows = df[df["policy"] == dense]
     rows = df[df["policy"] != dense]
     if rows.empty:

@@ -1,15 +1,16 @@
 """The command line every figure shares: `python -m figures.<name> --input TABLE --out DIR [figure flags]`.
 
-The input is read and the figure fully drawn before the output directory is claimed (`core.rundir.RunDir`), so bad
-input (unknown file, missing column, empty table) and a bad --out (a file, a path that cannot be created) exit with
-status 2 and one line, and leave no files behind.
+The input is read and checked against the columns the figure declares (`read_input`), and the figure fully drawn,
+before the output directory is claimed (`core.rundir.RunDir`), so bad input (unknown file, a file that is no table,
+missing column, empty table) and a bad --out (a file, a path that cannot be created) exit with status 2 and one line,
+and leave no files behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,11 +18,15 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from core.cli import ArgumentParser, main_guard
+from core.errors import UsageError
 from core.rundir import RunDir
 from figures.save import save_figure
 from figures.tables import TABLE_SUFFIXES, read_table
 
 Draw = Callable[[pd.DataFrame, argparse.Namespace], Figure]
+# The column sets a figure can draw from (any one complete set will do), or a function of its parsed flags giving
+# them, for a figure whose flags name its columns.
+Columns = Sequence[Sequence[str]] | Callable[[argparse.Namespace], Sequence[Sequence[str]]]
 
 
 def figure_parser(prog: str, description: str, stem: str, columns: str | None) -> argparse.ArgumentParser:
@@ -37,6 +42,26 @@ def figure_parser(prog: str, description: str, stem: str, columns: str | None) -
     return parser
 
 
+def read_input(path: str | os.PathLike, needs: Sequence[Sequence[str]]) -> pd.DataFrame:
+    """The --input table; one `UsageError` line naming the file when it is no table (`read_table`), holds none of the
+    column sets `needs` complete, or has no rows.
+
+    The plot functions check their columns too, but only the CLI knows the file, and a user with several tables
+    needs to be told which one is wrong. A table lacking columns is told those of the set it comes closest to.
+    """
+    table = read_table(path)
+    have = [str(column) for column in table.columns]
+    closest = min(needs, key=lambda columns: sum(column not in have for column in columns))
+    missing = [column for column in closest if column not in have]
+    if missing:
+        wanted = "; or ".join(", ".join(columns) for columns in needs)
+        raise UsageError(f"input table {str(path)!r} lacks column(s) {', '.join(missing)}; the figure needs {wanted} "
+                         f"(has: {', '.join(have) or 'none'})")
+    if table.empty:
+        raise UsageError(f"input table {str(path)!r} has no rows")
+    return table
+
+
 @contextmanager
 def output_directory(out: str | os.PathLike) -> Iterator[Path]:
     """The claimed --out directory: a file or an uncreatable path is one `UsageError`, and a figure run writing
@@ -45,12 +70,14 @@ def output_directory(out: str | os.PathLike) -> Iterator[Path]:
         yield run.path
 
 
-def figure_main(parser: argparse.ArgumentParser, draw: Draw) -> Callable[[list[str] | None], int]:
-    """A guarded `main(argv)` that parses `parser`'s flags, reads --input, draws with `draw`, saves PNG + PDF."""
+def figure_main(parser: argparse.ArgumentParser, draw: Draw, columns: Columns) -> Callable[[list[str] | None], int]:
+    """A guarded `main(argv)` that parses `parser`'s flags, reads --input holding one of the sets of `columns`
+    (`read_input`), draws with `draw`, saves PNG + PDF."""
 
     def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
-        fig = draw(read_table(args.input), args)
+        needs = columns(args) if callable(columns) else columns
+        fig = draw(read_input(args.input, needs), args)
         with output_directory(args.out) as out:
             for path in save_figure(fig, out, args.stem):
                 print(path)

@@ -23,6 +23,11 @@ FIGURE = "cost_budget"
 TIME_COLUMNS = {"wall_s": "Wall-clock time per run (s)", "tokens_per_s": "Decode throughput (tokens/s)"}
 
 
+def columns(time: str) -> tuple[str, ...]:
+    """The columns drawn with the time column `time`."""
+    return ("policy", "budget", time, "peak_mem_mb")
+
+
 def summarise(df: pd.DataFrame, column: str) -> pd.DataFrame:
     """Median and interquartile range of `column` per (policy, budget); several rows are repeats (e.g. problems)."""
     grouped = df.groupby(["policy", "budget"], sort=False, dropna=False)[column]
@@ -52,8 +57,7 @@ def plot_cost_vs_budget(data, *, time: str | None = None, dense: str = DENSE_POL
         time = next((c for c in TIME_COLUMNS if c in data.columns), "wall_s")
     elif time not in TIME_COLUMNS:
         raise unknown_choice("time column", time, TIME_COLUMNS)
-    df = checked(data, FIGURE, required=("policy", "budget", time, "peak_mem_mb"), numeric=(time, "peak_mem_mb"),
-                 finite=(time, "peak_mem_mb"))
+    df = checked(data, FIGURE, required=columns(time), numeric=(time, "peak_mem_mb"), finite=(time, "peak_mem_mb"))
     if (df[[time, "peak_mem_mb"]] < 0).any().any():
         raise UsageError(f"{FIGURE}: {time} and peak_mem_mb must be non-negative")
     rows, dense_rows = split_dense(df, dense, FIGURE)
@@ -89,6 +93,11 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
     return plot_cost_vs_budget(table, time=args.time, dense=args.dense, title=args.title)
 
 
+def _columns(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """With --time, its column; without, either time column will do."""
+    return [columns(time) for time in ([args.time] if args.time else TIME_COLUMNS)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Time and peak memory against the KV cache budget per eviction policy "
                            "(medians over repeated rows, interquartile error bars).", FIGURE,
@@ -96,11 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time", default=None, choices=sorted(TIME_COLUMNS),
                         help="time column for the left panel (default: wall_s if the table has it, else tokens_per_s)")
     parser.add_argument("--dense", default=DENSE_POLICY,
-                        help=f"policy name of the no-eviction baseline (default {DENSE_POLICY!r})")
+                        help=f"policy name of the no-eviction baseline, one of the table's policies (default "
+                        f"{DENSE_POLICY!r}, drawn where the table has it)")
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, _columns)
 
 if __name__ == "__main__":
     raise SystemExit(main())

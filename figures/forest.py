@@ -25,6 +25,12 @@ FIGURE = "forest"
 ROW_INCHES = 0.28
 
 
+def columns(label: str, value: str, low: str | None, high: str | None, group: str | None) -> tuple[str, ...]:
+    """The columns named by `plot_forest`'s arguments, in its order (label, value, low, high[, group]); the bounds
+    default to ``<value>_lo`` / ``<value>_hi``."""
+    return (label, value, low or f"{value}_lo", high or f"{value}_hi") + ((group,) if group else ())
+
+
 def plot_forest(data, *, label: str = "label", value: str = "estimate", low: str | None = None,
                 high: str | None = None, group: str | None = None, reference: float = 0.0,
                 xlabel: str | None = None, title: str | None = None):
@@ -38,8 +44,8 @@ def plot_forest(data, *, label: str = "label", value: str = "estimate", low: str
     A row whose interval lies wholly on one side of `reference` has a filled marker, otherwise a hollow one.
     Returns a Figure with one Axes.
     """
-    low, high = low or f"{value}_lo", high or f"{value}_hi"
-    required = (label, value, low, high) + ((group,) if group else ())
+    required = columns(label, value, low, high, group)
+    low, high = required[2:4]
     df = checked(data, FIGURE, required=required, numeric=(value, low, high), finite=(value,))
     df[label] = df[label].astype(str)
     if df[label].duplicated().any():
@@ -79,6 +85,10 @@ def _draw(table, args: argparse.Namespace):
                        reference=args.reference, xlabel=args.xlabel, title=args.title)
 
 
+def _columns(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    return [columns(args.label, args.value, args.low, args.high, args.group)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Forest plot: each row's estimate with its interval against a reference line; "
                            "filled markers where the interval excludes it.", FIGURE,
@@ -93,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, _columns)
 
 if __name__ == "__main__":
     raise SystemExit(main())

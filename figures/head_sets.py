@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "condition, n_heads, retrieval, retrieval_lo, retrieval_hi[, R]")
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, (COLUMNS,))
 
 if __name__ == "__main__":
     raise SystemExit(main())

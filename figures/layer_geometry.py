@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "layer, sigma_k, sigma_v, sink_rate[, layer_type] (a geometry.survey layers.csv)")
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, (COLUMNS,))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -27,6 +27,11 @@ COLUMNS = ("layer", "signal", "rho", "rho_lo", "rho_hi")
 VALIDATION_STATS = ("within", "pooled")
 
 
+def validation_columns(stat: str) -> tuple[str, ...]:
+    """The columns of `validation.layers`' layers.csv that `from_validation_table` reads for the statistic `stat`."""
+    return ("family", "transform", "layer", f"{stat}_rho", f"{stat}_lo", f"{stat}_hi")
+
+
 def from_validation_table(data, stat: str = "within") -> pd.DataFrame:
     """Convert `validation.layers`' layers.csv rows into this figure's columns.
 
@@ -36,8 +41,7 @@ def from_validation_table(data, stat: str = "within") -> pd.DataFrame:
     """
     if stat not in VALIDATION_STATS:
         raise unknown_choice("statistic", stat, VALIDATION_STATS)
-    df = checked(data, FIGURE, required=("family", "transform", "layer", f"{stat}_rho", f"{stat}_lo", f"{stat}_hi"),
-                 numeric=("layer",))
+    df = checked(data, FIGURE, required=validation_columns(stat), numeric=("layer",))
     df = df[df["layer"].notna()]
     if df.empty:
         raise UsageError(f"{FIGURE}: the validation table has no layered signals")
@@ -168,6 +172,11 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
                           title=args.title)
 
 
+def _columns(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """This figure's columns, or --stat's of a validation.layers layers.csv (`as_layer_table`)."""
+    return [COLUMNS, validation_columns(args.stat)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Per-layer Spearman rho with intervals; layers whose interval excludes zero "
                            "are shaded as bands (EpiKV two-band anatomy).", FIGURE,
@@ -180,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, _columns)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -24,6 +24,7 @@ from figures.style import figure_style, kernel_label, memory_scale, new_figure, 
 from figures.tables import as_bool, checked, in_order, require_unique
 
 FIGURE = "prefill_memory"
+COLUMNS = ("kernel", "ctx")  # and the memory column drawn (`MEMORY_COLUMNS`)
 MEMORY_COLUMNS = {"peak_mem_mb": "Peak memory", "forward_mem_mb": "Forward's own peak memory"}
 POLICY_LABELS = {"h2o": "H2O", "valuediff": "ValueDiff", "epikv": "EpiKV"}
 
@@ -56,7 +57,7 @@ def plot_prefill_memory(data, *, memory: str = "peak_mem_mb", capacity_mb: float
     """
     if memory not in MEMORY_COLUMNS:
         raise unknown_choice("memory column", memory, MEMORY_COLUMNS)
-    df = checked(data, FIGURE, required=("kernel", "ctx", memory), numeric=("ctx", memory, "layers"),
+    df = checked(data, FIGURE, required=(*COLUMNS, memory), numeric=("ctx", memory, "layers"),
                  finite=("ctx", "layers"))
     df["kernel"] = df["kernel"].astype(str)
     df["oom"] = as_bool(df["oom"], "oom", FIGURE) if "oom" in df.columns else False
@@ -133,6 +134,10 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
     return plot_prefill_memory(table, memory=args.memory, capacity_mb=capacity, title=args.title, layers=args.layers)
 
 
+def _columns(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    return [(*COLUMNS, args.memory)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Prefill peak memory against context length per attention kernel "
                            "(fused vs eager with output_attentions=True).", FIGURE,
@@ -148,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, _columns)
 
 if __name__ == "__main__":
     raise SystemExit(main())

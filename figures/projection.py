@@ -159,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overhead-gb", type=float, default=defaults["overhead_gb"],
                         help=f"memory held back for activations and the runtime, in GB (default "
                         f"{defaults['overhead_gb']:g} = 10%% of 80 GB)")
-    parser.add_argument("--layers", type=positive_int, default=defaults["n_layers"],
-                        help=f"decoder layers (default {defaults['n_layers']})")
+    # --n-layers, not --layers: elsewhere in kvscope --layers selects layers (indices in probes.signals and
+    # planted_fact, a depth among the table's in prefill_memory); here it is the size of a model that need not exist.
+    parser.add_argument("--n-layers", type=positive_int, default=defaults["n_layers"],
+                        help=f"number of decoder layers (default {defaults['n_layers']})")
     parser.add_argument("--kv-heads", type=positive_int, default=defaults["n_kv_heads"],
                         help=f"KV heads per layer (default {defaults['n_kv_heads']})")
     parser.add_argument("--head-dim", type=positive_int, default=defaults["d_head"],
@@ -184,10 +186,10 @@ def _main(argv: list[str] | None = None) -> int:
     if not lengths:
         raise UsageError(f"no power of two lies in [{args.ctx_min}, {args.ctx_max}]")
     setting = {"gpu_mem_gb": args.gpu_mem_gb, "weight_gb": args.weights_gb, "overhead_gb": args.overhead_gb,
-               "n_layers": args.layers, "n_kv_heads": args.kv_heads, "d_head": args.head_dim,
+               "n_layers": args.n_layers, "n_kv_heads": args.kv_heads, "d_head": args.head_dim,
                "bytes_per_elem": args.bytes_per_elem}
     table = projection_table(lengths, [None, *sorted(set(args.budgets))], **setting)
-    per_token_kib = kv_bytes_per_token(args.layers, args.kv_heads, args.head_dim, args.bytes_per_elem) / 1024
+    per_token_kib = kv_bytes_per_token(args.n_layers, args.kv_heads, args.head_dim, args.bytes_per_elem) / 1024
     note = (f"{args.gpu_mem_gb:g} GB GPU − {args.weights_gb:g} GB weights − {args.overhead_gb:g} GB reserve,\n"
             f"{per_token_kib:g} KiB of KV per token")
     fig = plot_projection(table, annotate_ctx=args.annotate_ctx, setting_note=note, title=args.title)

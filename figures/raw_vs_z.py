@@ -13,11 +13,12 @@ from matplotlib.ticker import MaxNLocator
 
 from core.errors import UsageError, unknown_choice
 from figures.cli import figure_main, figure_parser
-from figures.layer_rho import add_stat_flag, as_layer_table
+from figures.layer_rho import add_stat_flag, as_layer_table, validation_columns
 from figures.style import OKABE_ITO, figure_style, new_figure
 from figures.tables import checked, in_order, require_ci, require_unique
 
 FIGURE = "raw_vs_z"
+COLUMNS = ("layer", "signal", "rho")
 BAR_WIDTH = 0.4
 
 
@@ -39,7 +40,7 @@ def plot_raw_vs_z(
         rho_lo, rho_hi  float  optional interval, drawn as error bars when present
     `labels` are the legend texts of the raw and z bars. Returns a Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=("layer", "signal", "rho"), numeric=("layer", "rho", "rho_lo", "rho_hi"),
+    df = checked(data, FIGURE, required=COLUMNS, numeric=("layer", "rho", "rho_lo", "rho_hi"),
                  finite=("layer", "rho"))
     df["signal"] = df["signal"].astype(str)
     available = in_order(df["signal"])
@@ -84,6 +85,11 @@ def _draw(table: pd.DataFrame, args: argparse.Namespace):
     return plot_raw_vs_z(as_layer_table(table, args.stat), raw=args.raw, z=args.z, title=args.title)
 
 
+def _columns(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """This figure's columns, or --stat's of a validation.layers layers.csv (`as_layer_table`)."""
+    return [COLUMNS, validation_columns(args.stat)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Per-layer Spearman rho of the raw signal and of its causal rolling z-score, "
                            "as paired bars (EpiKV temporal-trend correction).", FIGURE,
@@ -96,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, _columns)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -22,6 +22,9 @@ from figures.style import OKABE_ITO, REFERENCE_GREY, REFERENCE_TEXT, figure_styl
 from figures.tables import checked, require_range, require_unique
 
 FIGURE = "sink_ratio"
+COLUMNS = ("model", "sink_rate")
+# sigma_V / sigma_K as a column, or the two spreads it is computed from (`model_ratios`).
+RATIO_COLUMNS = (("sigma_ratio",), ("sigma_k", "sigma_v"))
 RATIO_LABEL = r"$\sigma_V / \sigma_K$ (value spread / key spread)"
 WHOLE_MODEL = "all"
 
@@ -36,6 +39,11 @@ def whole_models(df: pd.DataFrame, figure: str) -> pd.DataFrame:
     df = df.assign(model=df["model"].astype(str))
     require_unique(df, ("model",), figure)
     return df
+
+
+def with_ratio(columns: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The column sets of a figure drawing `columns` against sigma_V / sigma_K: one per way of giving the ratio."""
+    return tuple((*columns, *ratio) for ratio in RATIO_COLUMNS)
 
 
 def model_ratios(df: pd.DataFrame, figure: str) -> pd.DataFrame:
@@ -70,7 +78,7 @@ def plot_sink_vs_ratio(data, *, reference: bool = True, title: str | None = None
     `reference=True` adds ValueDiff's 11 reported models in grey, labelled "ValueDiff Table 4 (reported)".
     A dashed vertical line marks sigma_V / sigma_K = 1. Returns a Figure with one Axes.
     """
-    df = checked(data, FIGURE, required=("model", "sink_rate"),
+    df = checked(data, FIGURE, required=COLUMNS,
                  numeric=("sink_rate", "sigma_ratio", "sigma_k", "sigma_v"), finite=("sink_rate",))
     df = whole_models(df, FIGURE)
     require_range(df, "sink_rate", 0.0, 1.0, FIGURE)
@@ -118,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = figure_main(build_parser(), _draw)
+main = figure_main(build_parser(), _draw, with_ratio(COLUMNS))
 
 if __name__ == "__main__":
     raise SystemExit(main())
