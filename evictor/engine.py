@@ -152,20 +152,27 @@ class EvictionEngine:
         ignore_eos: bool = False,
         seed: int | None = None,
         forced: list[list[int]] | None = None,
+        forced_block: int = 1,
     ) -> BatchResult:
         """Generate up to `max_new_tokens` per prompt (greedy at temperature 0, else nucleus sampling at `top_p`);
         `budgets` overrides K per prompt.
 
         `forced[b]` (optional) are tokens sequence b emits first, whatever the model predicts: a scripted trace
-        teacher-forced through the decode path, each token appended, observed, scored and evicted exactly like a
-        generated one; `max_new_tokens` then counts the tokens generated after them, and only those can stop it."""
+        teacher-forced through the decode path, each token appended, observed, scored and evicted like a generated
+        one; `max_new_tokens` then counts the tokens generated after them, and only those can stop it. With
+        `forced_block` > 1 the forced tokens every sequence of the batch has are fed that many per forward, a round
+        after each block (a chunked prefill under eviction: the cache may hold up to `forced_block` - 1 tokens more
+        between rounds than step by step, the same for every policy), the rest one per step as before."""
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         forced = forced or [[] for _ in prompts]
         if len(forced) != len(prompts):
             raise UsageError(f"{len(forced)} forced prefixes for {len(prompts)} prompts")
         eos = set() if ignore_eos else _eos_ids(self.lm)
+        if forced_block < 1:
+            raise UsageError(f"forced_block must be >= 1, got {forced_block}")
         steps = max(map(len, forced)) + max_new_tokens
+        shared = min(map(len, forced)) if forced_block > 1 else 0  # forced tokens fed in blocks
         with self.session(prompts, budgets, max_new_tokens=steps, seed=seed) as session:
             sampler = torch.Generator(device=session.device).manual_seed(session.seed + 1)
             with require_flash(self.model, "the eviction engine's prefill"):
@@ -174,7 +181,13 @@ class EvictionEngine:
             stopped = [False] * len(prompts)  # at a stop token
             finished = [False] * len(prompts)  # stopped, or max_new_tokens generated after the forced prefix
             session.begin_decode()
-            for index in range(steps):
+            for start in range(0, shared, forced_block):
+                block = [prefix[start : min(start + forced_block, shared)] for prefix in forced]
+                with require_flash(self.model, "the eviction engine's forced blocks", when=start == 0):
+                    logits = session.append(torch.tensor(block, dtype=torch.long))
+                for seq, tokens in enumerate(block):
+                    generated[seq].extend(tokens)
+            for index in range(shared, steps):
                 tokens = pick_tokens(logits, temperature, top_p, sampler)
                 for seq, prefix in enumerate(forced):
                     if index < len(prefix):
@@ -187,7 +200,7 @@ class EvictionEngine:
                         finished[seq] = stopped[seq] or free >= max_new_tokens
                 if all(finished) or index == steps - 1:
                     break
-                with require_flash(self.model, "the eviction engine's decode", when=index == 0):
+                with require_flash(self.model, "the eviction engine's decode", when=index == shared):
                     logits = session.step(tokens)
             session.end_decode()
             reasons = ["eos" if done else "length" for done in stopped]
@@ -330,11 +343,7 @@ class Session:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per sequence ``[b]`` at its next position; returns the next logits ``[b, vocab]``."""
-        self.step_index += 1
-        positions = torch.tensor(self.next_pos, dtype=torch.int32, device=self.device)[:, None]
-        logits = self._forward(tokens.view(-1, 1).to(self.device), positions, [1] * self.batch)
-        self._after_forward(boundary=False)
-        return logits
+        return self.append(tokens.view(-1, 1))
 
     def teacher_force(self, tokens: Sequence[int], block: int = 1) -> None:
         """Append the known `tokens` of a one-sequence session at its next positions, `block` per forward: what
@@ -343,13 +352,19 @@ class Session:
         if self.batch != 1:
             raise ValueError(f"teacher_force feeds one sequence, this session holds {self.batch}")
         for start in range(0, len(tokens), block):
-            chunk = [int(t) for t in tokens[start : start + block]]
-            self.step_index += len(chunk)
-            positions = torch.arange(self.next_pos[0], self.next_pos[0] + len(chunk), dtype=torch.int32,
-                                     device=self.device)[None, :]
-            ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            self._forward(ids, positions, [len(chunk)])
-            self._after_forward(boundary=False)
+            self.append(torch.tensor([[int(t) for t in tokens[start : start + block]]], dtype=torch.long))
+
+    def append(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append `tokens` ``[b, n]`` (n known tokens per sequence) at their next positions in one forward, observed
+        and fed to the attention one query row at a time as in a block-wise prefill; a round can fire only after
+        the block. Returns the last position's logits ``[b, vocab]``."""
+        n = tokens.shape[1]
+        self.step_index += n
+        start = torch.tensor(self.next_pos, dtype=torch.int32, device=self.device)[:, None]
+        positions = start + torch.arange(n, dtype=torch.int32, device=self.device)[None, :]
+        logits = self._forward(tokens.to(self.device), positions, [n] * self.batch)
+        self._after_forward(boundary=False)
+        return logits
 
     def begin_decode(self) -> None:
         self.phase = "decode"

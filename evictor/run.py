@@ -77,6 +77,10 @@ from tasks.run import GenerationConfig, graded_trace, summarize
 # Protocol fields no preset sets: the budget is per cell, the seed is the generation seed, the keep-log changes no
 # token.
 _PER_RUN = ("budget", "seed", "keep_log")
+# A known-answer problem's constructed trace is read in blocks of this many tokens, a round after each (a chunked
+# prefill under eviction, `EvictionEngine.generate`): it is context the model reads, not tokens it generates, and one
+# decode step per token made the forced traces most of a sweep's time on a CPU. Every policy reads it the same way.
+FORCED_BLOCK = 32
 # The settings a preset chooses (sampling aside: it is part of the generation's identity).
 PRESET_SETTINGS = tuple(key for key in OVERRIDABLE if key not in (*_PER_RUN, *SAMPLING_FIELDS))
 
@@ -364,6 +368,7 @@ def run_batch(worker: SweepWorker, batch: Batch) -> DecodedBatch:
         top_p=generation.top_p,
         seed=derive_seed(generation.seed, ids),
         forced=batch.forced,
+        forced_block=FORCED_BLOCK,
     )
     wall = time.perf_counter() - started
     stats = result.stats
