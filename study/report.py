@@ -594,7 +594,7 @@ def write_report(result) -> Path:
         "occlusion labels, EpiKV §3.4), and does evicting the KV cache by the best of them keep more answers than "
         "evicting at random with the prompt kept (Random Attention) at equal peak cache? Each paper's default scorer "
         f"({defaults}) runs beside the selected ones.")
-    known = result.stages["known"].status != "off"
+    known = ran_known(result)
     if known:
         question = ("Do the occlusion labels find the facts a constructed trace's answer depends on (planted at known "
                     "positions, beside decoys of the same form), which scorer finds them, and does evicting by it "
@@ -602,7 +602,7 @@ def write_report(result) -> Path:
     parts = [
         f"# kvscope study: {c.model} on {c.dataset}", "",
         f"**Question.** {question}",
-        "", f"**Answer.** {known_line(result, comparisons) if known else answer_line(result, comparisons)}", "",
+        "", f"**Answer.** {opening_line(result, comparisons)}", "",
         *(["## The known answer", "", known_section(result), ""] if known else []),
         "## Settings", "", settings_section(result), "",
         "## Stages", "", stages_section(result), "",
@@ -621,10 +621,20 @@ def write_report(result) -> Path:
     return path
 
 
+def ran_known(result) -> bool:
+    """Whether the study ran the known-answer check (a known-answer task)."""
+    return result.stages["known"].status != "off"
+
+
+def opening_line(result, comparisons: list[dict]) -> str:
+    """The report's answer: against the planted facts on a known-answer task, else the selection and eviction."""
+    return known_line(result, comparisons) if ran_known(result) else answer_line(result, comparisons)
+
+
 def headline(result) -> str:
     """The report's headline table as plain text: each configuration against random, per budget."""
     rows = comparison_rows(result)
-    lines = [answer_line(result, rows), ""]
+    lines = [opening_line(result, rows), ""]
     if rows:
         lines.append(f"{'configuration':32s} {'budget':>6s} {'acc':>7s} {REFERENCE:>7s} {'diff':>7s} "
                      f"{'95% CI':>17s} {'p':>6s}")
