@@ -42,6 +42,7 @@ from study.config import (
     parse_budgets,
     parse_names,
 )
+from tasks.engines import ENGINES
 from validation.stats import DEFAULT_N_BOOT
 
 
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--include-incorrect", action="store_true",
                         help="also label wrongly answered traces, against the model's own answer (default: correctly "
                         "answered traces only, EpiKV's protocol)")
+    labels.add_argument("--engine", default="hf", choices=ENGINES,
+                        help="what generates the dense traces and the labeller's regenerations: hf (default: kvscope's "
+                        "own decoding on transformers) or vllm (its environment: KVSCOPE_VLLM=1 bash scripts/setup.sh, "
+                        "docs/engines.md); the replay and the evictor always run on kvscope's cache")
     labels.add_argument("--window", type=positive_int, default=32, help="occlusion window in tokens (default 32)")
     labels.add_argument("--stride", type=positive_int, default=16,
                         help="step between windows, <= --window (default 16)")
@@ -164,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return StudyConfig(
         dataset=args.dataset, budgets=parse_budgets(args.budget), model=args.model, data_file=args.data_file,
         limit=args.limit, max_new_tokens=args.max_new_tokens, traces=args.traces,
-        include_incorrect=args.include_incorrect, window=args.window, stride=args.stride,
+        include_incorrect=args.include_incorrect, engine=args.engine, window=args.window, stride=args.stride,
         replacement=args.replacement, max_answer_tokens=args.max_answer_tokens, tail=args.tail,
         force_answer=args.force_answer, no_answer=args.no_answer,
         agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),

@@ -117,6 +117,7 @@ class StudyConfig:
     traces: str | None = None  # reuse these dense traces instead of generating
     # labelling
     include_incorrect: bool = False
+    engine: str = "hf"  # what generates the dense traces and the labeller's regenerations (`tasks.engines`)
     window: int = 32
     stride: int = 16
     replacement: str = "auto"
@@ -148,9 +149,12 @@ class StudyConfig:
         from evictor.protocol import PROTECTIONS, PROTOCOLS
         from models.loading import check_model_name
         from tasks.datasets import check_dataset
+        from tasks.engines import ENGINES
 
         check_dataset(self.dataset)
         check_model_name(self.model)
+        if self.engine not in ENGINES:
+            raise unknown_choice("engine", self.engine, ENGINES)
         if not self.budgets:
             raise UsageError("give at least one --budget fraction")
         if is_long_context(self.dataset):
@@ -223,7 +227,7 @@ class StudyConfig:
                                replacement=self.replacement if replacement is None else replacement,
                                max_answer_tokens=self.answer_tokens, include_incorrect=self.include_incorrect,
                                tail=self.tail, dtype=self.dtype, force_answer=self.force_answer,
-                               no_answer=self.no_answer)
+                               no_answer=self.no_answer, engine=self.engine)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -99,7 +99,7 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
     if config.traces is not None:
         traces = {"file": str(Path(config.traces).resolve()), "sha256": file_digest(config.traces), "problems": ids}
     else:
-        traces = {"generation": stages.generation_config(config).identity(), "problems": ids}
+        traces = {"generation": stages.generation_config(config, engine=config.engine).identity(), "problems": ids}
     labels = config.occlusion().identity()
     sampling = resolve_protocol(config.protocol, {"protect": config.protect}).sampling
     generation = stages.generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)

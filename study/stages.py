@@ -63,14 +63,14 @@ class Paths:
         return self.root / path if not Path(path).is_absolute() else Path(path)
 
 
-def generation_config(config: StudyConfig, *, temperature: float = 0.0, top_p: float = 1.0):
-    """The dense generation (greedy: occlusion labels regenerate greedily) or, with a protocol's sampling, the
-    evictor's."""
+def generation_config(config: StudyConfig, *, temperature: float = 0.0, top_p: float = 1.0, engine: str = "hf"):
+    """The dense generation (greedy: occlusion labels regenerate greedily; on `engine`) or, with a protocol's
+    sampling, the evictor's (always kvscope's own decoding, which its cache needs)."""
     from tasks.run import GenerationConfig
 
     return GenerationConfig(dataset=config.dataset, model=config.model, data_file=config.data_file,
                             limit=config.limit, max_new_tokens=config.max_new_tokens, temperature=temperature,
-                            top_p=top_p, seed=config.seed, dtype=config.dtype, device=config.device)
+                            top_p=top_p, seed=config.seed, dtype=config.dtype, device=config.device, engine=engine)
 
 
 def read_traces(path: Path) -> list[Trace]:
@@ -133,7 +133,8 @@ def _construct(config: StudyConfig, problems, path: Path) -> list[Trace]:
 def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig) -> list[Trace]:
     from tasks.run import generate_run
 
-    return generate_run(generation_config(config), path, backend, problems=problems, label="dense traces")[0]
+    return generate_run(generation_config(config, engine=config.engine), path, backend, problems=problems,
+                        label="dense traces")[0]
 
 
 # --- labels ---------------------------------------------------------------------------------------------------------
