@@ -8,8 +8,9 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	@source scripts/env.sh && $(PY) -m study --model smollm2-135m --dataset gsm8k --limit 4 --max-new-tokens 160 \
-		--include-incorrect --budget 0.5 --out $(OUT)
+	@source scripts/env.sh && $(PY) -m study --model smollm2-135m --dataset known_facts --limit 6 --max-new-tokens 8 \
+		--budget 0.5 --stride 32 --agreement-traces 2 --batch-size 1 --scorers epikv,valuediff,keydiff,h2o,recency,random \
+		--out $(OUT)
 
 test: setup
 	@source scripts/env.sh && $(PY) -m ruff check . && $(PY) -m pytest -m "not slow" -q

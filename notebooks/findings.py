@@ -333,6 +333,32 @@ add("at equal KV memory every evictor serves several times full attention's thro
     "reproduced" if evicting["ratio"].min() >= 2 else "not reproduced", "equal-memory")
 
 # %% [markdown]
+# ## The labeller against known answers
+#
+# The constructed known-answer traces of `make demo` (`results/known-facts-smollm2/`): the windows that flipped, by
+# whether they overlap the needed code, a decoy's or only filler, and each scorer's AUC for ranking the needed code
+# above a decoy's code and above filler.
+
+# %%
+known_dir = root / "known-facts-smollm2"
+known = json.loads(next((known_dir / "stages").glob("known-*/stage.json")).read_text())["outputs"]
+labels = known["labels"]
+display(pd.DataFrame([{"class": c, "windows": labels[f"{c}_windows"], "flipped": labels[f"{c}_flipped"]}
+                      for c in ("planted", "key", "decoy", "filler", "flush")]))
+auc = pd.DataFrame(known["auc"]).set_index("scorer")[["auc_decoy", "auc_filler"]]
+display(auc.round(3))
+evicted = pd.read_csv(known_dir / "compare.csv").set_index("config")
+finding = evicted.loc[known["finding"]]
+add("counterfactual occlusion labels mark the tokens an answer depends on (checked on known answers)", "–",
+    f"{labels['planted_flipped']}/{labels['planted_windows']} needed-code windows flipped, "
+    f"{labels['decoy_flipped']}/{labels['decoy_windows']} decoy, {labels['filler_flipped']}/{labels['filler_windows']} "
+    f"filler; {known['finding']} (best lower AUC) {finding['accuracy_a']:.0%} vs random {finding['accuracy_b']:.0%}",
+    f"recall [{labels['recall_lo']:.2f}, {labels['recall_hi']:.2f}], precision [{labels['precision_lo']:.2f}, "
+    f"{labels['precision_hi']:.2f}]", f"{labels['traces']} traces",
+    "the labels find the planted facts" if labels["recall_lo"] > 0.5 and labels["precision_lo"] > 0.5 else
+    "inconclusive", known_dir.name)
+
+# %% [markdown]
 # ## The findings table
 
 # %%
