@@ -46,8 +46,11 @@ def test_bad_settings_are_one_line(settings, message):
 def test_flags_parse_into_a_config():
     parser = ArgumentParser()
     add_backend_arguments(parser)
-    flags = vars(parser.parse_args(["--backend", "ray", "--workers", "3", "--gpus-per-worker", "0.5"]))
-    assert BackendConfig.from_flags(flags) == BackendConfig(backend="ray", workers=3, gpus_per_worker=0.5)
+    # a cluster address: a local instance would be checked against this machine's cores and GPUs
+    flags = vars(parser.parse_args(["--backend", "ray", "--address", "head:6379", "--workers", "3",
+                                    "--gpus-per-worker", "0.5"]))
+    assert BackendConfig.from_flags(flags) == BackendConfig(backend="ray", address="head:6379", workers=3,
+                                                            gpus_per_worker=0.5)
     assert BackendConfig.from_flags(vars(parser.parse_args([]))) == BackendConfig()
     with pytest.raises(UsageError, match="--workers: must be a positive integer"):
         parser.parse_args(["--workers", "0"])

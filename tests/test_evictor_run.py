@@ -402,11 +402,20 @@ def test_policy_all_leaves_out_the_calibrated_policies_saying_how_to_include_the
     # a --policy-config for one of them brings it back; several files configure several policies
     tri, rkv = tmp_path / "tri.json", tmp_path / "rkv.json"
     tri.write_text(json.dumps({"policy": "triattention", "params": {"calibration": "tri-calibration.json"}}))
+    # a calibration file that does not exist is refused before anything runs
+    with pytest.raises(UsageError, match="calibration file 'tri-calibration.json' does not exist"):
+        _sweep_config(build_parser().parse_args([*argv, "--policy", "all", "--policy-config", str(tri)]))
+    from test_triattention import write_calibration
+
+    one = torch.tensor([1.0])
+    calibration = write_calibration(tmp_path / "tri-calibration.json", one, one, torch.complex(one, one)[None],
+                                    one[None])
+    tri.write_text(json.dumps({"policy": "triattention", "params": {"calibration": calibration}}))
     rkv.write_text(json.dumps({"policy": "r_kv", "params": {"lam": 0.5}}))
     config, left_out = _sweep_config(build_parser().parse_args(
         [*argv, "--policy", "all", "--policy-config", str(tri), "--policy-config", str(rkv)]))
     assert left_out == ["thinkv"] and "triattention" in config.policies
-    assert config.policy_params == {"triattention": {"calibration": "tri-calibration.json"}, "r_kv": {"lam": 0.5}}
+    assert config.policy_params == {"triattention": {"calibration": calibration}, "r_kv": {"lam": 0.5}}
     config, _ = _sweep_config(build_parser().parse_args([*argv, "--policy-config", str(tri), "--policy-config",
                                                          str(rkv)]))
     assert config.policies == ("triattention", "r_kv")  # the files' policies are the default --policy

@@ -21,6 +21,7 @@ from conftest import write_arithmetic_problems  # tests/ is on sys.path under py
 from scipy.stats import spearmanr
 
 import tasks.grading
+from core.errors import UsageError
 from core.rundir import RunDir
 from evictor.run import main as evictor_main
 from study import pipeline
@@ -303,7 +304,9 @@ def test_the_report_shows_each_scorer_once_at_its_best_layer_and_head():
 def test_budgets_are_fractions_of_the_dense_trace_or_whole_tokens():
     from study.config import parse_budgets
 
-    assert parse_budgets("0.5,0.25,0.5") == (0.25, 0.5)
+    assert parse_budgets("0.5,0.25") == (0.25, 0.5)
+    with pytest.raises(UsageError, match="gives 0.5 twice"):
+        parse_budgets("0.5,0.25,0.5")
     assert parse_budgets("1024,256") == (256, 1024) and all(isinstance(b, int) for b in parse_budgets("256,1024"))
     assert parse_budgets("1,0.5") == (0.5, 1.0)
 

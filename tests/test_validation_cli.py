@@ -388,7 +388,7 @@ def test_compare_selects_policies_from_one_file(tmp_path):
     "records_b,extra,message",
     [
         ([_trace("other", True)], [], "no problem id appears in both"),
-        ([_trace("q0", "yes")], [], "'correct' must be"),
+        ([_trace("q0", "yes")], [], 'correct "yes" is not true or false'),
         ([_trace("q0", True), _trace("q0", False)], [], "duplicate record"),
         ([_trace("q0", True, "h2o", 64)], ["--policies", "epikv", "h20"], "did you mean 'h2o'"),
         ([_trace("q0", True)], ["--ci", "wald"], "unknown accuracy interval method"),

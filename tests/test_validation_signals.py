@@ -118,7 +118,7 @@ def test_no_shared_trace_is_a_usage_error(tmp_path):
         (_signal("a", [0, 0], _agg(s=[1.0, 2.0])), "repeated positions"),
         ({k: v for k, v in _signal("a", [0, 1], _agg(s=[1.0, 2.0])).items() if k != "signals"}, "has no signals"),
         (_signal("a", [0, 1], {}), "non-empty"),
-        (_signal("a", [0, 1], {"s": [1.0, 2.0]}), "must map layer keys"),
+        (_signal("a", [0, 1], {"s": [1.0, 2.0]}), "is not an object of objects of lists"),
         (_signal("a", [0, 1], {"s": {"last": [1.0, 2.0]}}), "layer key 'last'"),
         (_signal("a", [0, 1], _agg(s=[1.0, 2.0]), window="64"), "window '64' is not an integer"),
     ],
