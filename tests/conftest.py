@@ -69,6 +69,19 @@ def write_arithmetic_problems(path, n: int) -> str:
     return str(path)
 
 
+def tiny_traces(model: str) -> list[dict]:
+    """Three hand-made dense trace records of the tiny Llama's tokenizer (`model`: the name they are recorded with),
+    the first and last marked correct: each reasons a step and answers ``\\boxed{42}``."""
+    from models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    prompt = tok.encode("<|bos|><|user|>What is 6*7?<|eos|><|assistant|>")
+    return [{"kind": "trace", "id": f"t{i}", "dataset": "gsm8k", "model": model, "prompt_ids": prompt,
+             "generated_ids": tok.encode(f"Step {i}: six sevens make forty-two, so we get 42. \\boxed{{42}}<|eos|>",
+                                         add_special_tokens=False),
+             "answer": "42", "gold": "42", "correct": correct} for i, correct in enumerate([True, False, True])]
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The default real model (SmolLM2-135M-Instruct), fp32 SDPA on CPU."""

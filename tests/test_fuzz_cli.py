@@ -27,11 +27,10 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import write_arithmetic_problems  # tests/ is on sys.path under pytest
+from conftest import tiny_traces, write_arithmetic_problems  # tests/ is on sys.path under pytest
 from test_validation_cli import _layer_data
 
 from core.rundir import RunDir
-from models.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,15 +184,7 @@ def _jsonl(path: Path, rows) -> str:
 def fx(tmp_path_factory, tiny_dir):
     """Valid inputs for every CLI (made by hand, no model run) and the malformed files of the table."""
     root = tmp_path_factory.mktemp("fuzz-inputs")
-    tok = tiny_tokenizer()
-    prompt = tok.encode("<|bos|><|user|>What is 6*7?<|eos|><|assistant|>")
-    traces = []
-    for i, correct in enumerate([True, False, True]):
-        generated = tok.encode(f"Step {i}: six sevens make forty-two, so we get 42. \\boxed{{42}}<|eos|>",
-                               add_special_tokens=False)
-        traces.append({"kind": "trace", "id": f"t{i}", "dataset": "gsm8k", "model": str(tiny_dir),
-                       "prompt_ids": prompt, "generated_ids": generated, "answer": "42", "gold": "42",
-                       "correct": correct})
+    traces = tiny_traces(str(tiny_dir))
     f = {"tiny": str(tiny_dir), "root": root, "traces_rows": traces}
     f["traces"] = _jsonl(root / "traces.jsonl", traces)
     solution = " ".join(f"Step {k}: we add {k} and {k} to get {2 * k}, then carry on." for k in range(60))

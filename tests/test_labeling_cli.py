@@ -13,6 +13,7 @@ import re
 import sys
 
 import pytest
+from conftest import tiny_traces  # tests/ is on sys.path under pytest
 from test_backend import _die_once
 
 import labeling.occlusion
@@ -27,14 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory, tiny_dir):
     """Three tiny-Llama traces (saved model directory), two marked correct."""
-    tok = tiny_tokenizer()
-    prompt = tok.encode("<|bos|><|user|>What is 6*7?<|eos|><|assistant|>")
-    rows = []
-    for i, correct in enumerate([True, False, True]):
-        generated = tok.encode(f"Step {i}: six sevens make forty-two, so we get 42. \\boxed{{42}}<|eos|>",
-                               add_special_tokens=False)
-        rows.append({"id": f"t{i}", "dataset": "gsm8k", "model": str(tiny_dir), "prompt_ids": prompt,
-                     "generated_ids": generated, "answer": "42", "gold": "42", "correct": correct})
+    rows = tiny_traces(str(tiny_dir))
     path = tmp_path_factory.mktemp("run") / "generations.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
