@@ -15,18 +15,24 @@ the default model's), and without a `limit` there are `tasks.ruler.DEFAULT_COUNT
 `tasks.known_answer.DEFAULT_COUNT` problems without a `limit`. A file with no problems is a `UsageError` naming it.
 
 GSM8K answers are full solutions ending in ``#### <number>``; the gold is the number after the marker.
+
+Each dataset also supplies how its answers are graded (`grader`, `grade`): a benchmark by mathematical equivalence
+of the extracted answer (`tasks.grading`), a RULER task by exact match of its answer items (`tasks.ruler.grade`),
+a known-answer task on its answer statement only (`tasks.known_answer.grade`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.errors import UsageError, unknown_choice
 from core.records import read_jsonl
-from tasks import known_answer, ruler
+from tasks import grading, known_answer, ruler
+from tasks.problem import Problem
 
 DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 
@@ -62,17 +68,6 @@ DATASETS: tuple[str, ...] = tuple(SOURCES) + ruler.NAMES + known_answer.NAMES
 QUESTION_FIELDS = ("problem", "question", "Problem", "Question")
 ANSWER_FIELDS = ("answer", "Answer")
 ID_FIELDS = ("unique_id", "id", "ID")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One benchmark problem. `answer` is the gold final answer (for GSM8K, the number after ``####``)."""
-
-    id: str
-    question: str
-    answer: str
-    dataset: str
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def gsm8k_gold(solution: str) -> str:
@@ -141,6 +136,23 @@ def check_dataset(name: str) -> None:
     """Refuse an unknown dataset name (a benchmark, a RULER task with an optional ``@<tokens>`` length, or a
     known-answer task with an optional ``@<decoys>``)."""
     _ruler_config(name)
+
+
+def grader(dataset: str) -> Callable[[str, Problem], dict[str, Any]]:
+    """The grading rule `dataset` supplies: a RULER task's exact match of its answer items (`tasks.ruler.grade`), a
+    known-answer task's answer statement (`tasks.known_answer.grade`), else a benchmark's extracted final answer by
+    mathematical equivalence (`tasks.grading.grade`)."""
+    if ruler.parse_name(dataset) is not None:
+        return ruler.grade
+    if known_answer.parse_name(dataset) is not None:
+        return known_answer.grade
+    return grading.grade
+
+
+def grade(text: str, problem: Problem) -> dict[str, Any]:
+    """Grade a model output against `problem` by its dataset's rule (`grader`): answer (extracted or None), correct,
+    no_answer, extracted_by, and what else the rule reports (a RULER task's ``score``)."""
+    return grader(problem.dataset)(text, problem)
 
 
 def _ruler_config(name: str) -> ruler.RulerConfig | None:

@@ -5,7 +5,7 @@ into `tasks.generation.GenerationResult`s, yielded as each finishes (`Engine.str
 (`Engine.describe`: name, version, batch size), which every record it makes carries. Both stop at any of their
 `stop_ids` (by default `tasks.generation.stop_token_ids`) and keep the stop token.
 
-- ``hf`` (`HFEngine`): `tasks.generation.generate_batch` over a `models.loading.LoadedModel`, up to ``batch_size``
+- ``hf`` (`HFEngine`): `tasks.generation.generate_batch` over a `models.lm.LoadedModel`, up to ``batch_size``
   sequences decoding together (continuous batching); batch size 1 is `tasks.generation.generate`, one sequence at a
   time. Its greedy tokens are the reference the rest of kvscope (the evictor, the replay, the labeller) reproduces.
 - ``vllm`` (`VLLMEngine`): vLLM over the same weights directory (`models.loading.locate_weights`: the converted
@@ -83,7 +83,7 @@ def check_engine(name: str) -> None:
 
 
 class HFEngine:
-    """kvscope's own decoding of a loaded model (`models.loading.LoadedModel`), `batch_size` sequences at a time."""
+    """kvscope's own decoding of a loaded model (`models.lm.LoadedModel`), `batch_size` sequences at a time."""
 
     name = "hf"
 

@@ -117,7 +117,7 @@ def generate(
     seed: int = 0,
     stop_ids: Sequence[int] | None = None,
 ) -> GenerationResult:
-    """Generate a continuation of `prompt_ids` with `lm` (a `models.loading.LoadedModel`): one prompt forward,
+    """Generate a continuation of `prompt_ids` with `lm` (a `models.lm.LoadedModel`): one prompt forward,
     then one forward per new token over a `DynamicCache`, each token chosen by `pick_tokens`, until a token of
     `stop_ids` (default `stop_token_ids`; kept) or `max_new_tokens`."""
     if max_new_tokens < 1:
@@ -231,7 +231,7 @@ class _Row:
 @torch.no_grad()
 def generate_batch(lm, requests: Sequence[Request], batch_size: int,
                    stop_ids: Sequence[int] | None = None) -> Iterator[tuple[int, GenerationResult]]:
-    """Continue every request with `lm` (a `models.loading.LoadedModel`), up to `batch_size` rows decoding together;
+    """Continue every request with `lm` (a `models.lm.LoadedModel`), up to `batch_size` rows decoding together;
     yields ``(index into requests, result)`` as each finishes (not in request order).
 
     `stop_ids` defaults to `stop_token_ids`; the stop token is kept. A row's ``prefill_s`` is its own prompt forward

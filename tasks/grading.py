@@ -1,4 +1,4 @@
-"""Final-answer extraction and grading by mathematical equivalence.
+"""Final-answer extraction and grading by mathematical equivalence: the benchmarks' grading rule (`grade`).
 
 Extraction (`extract_answer`), first rule that matches wins:
 
@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tasks.datasets import Problem
+from tasks.problem import Problem
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _HASHES = re.compile(r"####\s*([^\n]+)")
@@ -195,19 +195,8 @@ def is_equivalent(pred: str | None, gold: str, *, verifier: MathVerifier | None 
 
 
 def grade(text: str, problem: Problem) -> dict:
-    """Grade a model output against `problem`: answer (extracted or None), correct, no_answer, extracted_by.
-
-    Synthetic long-context problems (RULER) are graded by exact match of their answer items (`tasks.ruler.grade`),
-    known-answer problems on their answer statement only (`tasks.known_answer.grade`).
-    """
-    if "ruler" in problem.meta:
-        from tasks import ruler
-
-        return ruler.grade(text, problem)
-    from tasks import known_answer
-
-    if known_answer.META in problem.meta:
-        return known_answer.grade(text, problem)
+    """Grade a model output against a benchmark problem (MATH-500, AIME, GSM8K): answer (extracted or None),
+    correct, no_answer, extracted_by. Other datasets supply their own rule (`tasks.datasets.grader`)."""
     answer, rule = extract_answer_with_rule(text, problem.dataset)
     return {
         "answer": answer,

@@ -62,14 +62,12 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from core.errors import UsageError
 from core.schemas import Trace
 from core.seeds import derive_seed
-
-if TYPE_CHECKING:
-    from tasks.datasets import Problem
+from tasks.problem import Problem
 
 NAME = "known_facts"
 NAMES = (NAME,)
@@ -290,7 +288,7 @@ def grade(text: str, problem: Problem) -> dict[str, Any]:
 
 def answer_traces(lm: Any, traces: Sequence[Trace], max_new_tokens: int = 8) -> list[Trace]:
     """`traces` (from `problem_trace`) with ``answer`` / ``correct`` / ``no_answer`` / ``extracted_by`` set from what
-    `lm` (a `models.loading.LoadedModel`) answers, greedily, after the unoccluded reasoning and the forced cue.
+    `lm` (a `models.lm.LoadedModel`) answers, greedily, after the unoccluded reasoning and the forced cue.
 
     The answer is `tasks.grading.extract_answer` of the cue's text followed by the `max_new_tokens` continuation;
     the continuation is kept in ``extra["known_answer"]["forced"]``.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.datasets import Problem
+from tasks.problem import Problem
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Problem: {question}\n\n{instruction}\n\nSolution:"

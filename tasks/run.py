@@ -55,8 +55,9 @@ from core.schemas import Trace
 from core.seeds import derive_seed
 from models.registry import DEFAULT_MODEL, REGISTRY
 from tasks import ruler
-from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
+from tasks.datasets import DATASETS, grade, load_problems, resolve_source
 from tasks.engines import ENGINES, check_engine
+from tasks.problem import Problem
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,6 @@ def graded_trace(
 ) -> Trace:
     """The trace of one generation, graded against `problem`; `fields` sets the eviction fields of `Trace`, and
     names it does not know go to ``extra``."""
-    from tasks.grading import grade
-
     graded = grade(text, problem)
     known = {f.name for f in dataclasses.fields(Trace)}
     return Trace(
@@ -176,7 +175,7 @@ def graded_trace(
 
 
 def generate_traces(engine, problems: Iterable[Problem], config: GenerationConfig) -> Iterator[Trace]:
-    """Generate and grade each problem with `engine` (a `tasks.engines` engine, or a `models.loading.LoadedModel`,
+    """Generate and grade each problem with `engine` (a `tasks.engines` engine, or a `models.lm.LoadedModel`,
     decoded by `tasks.engines.HFEngine` at ``config.batch_size``), yielding the traces in problem order, each as
     soon as it and every earlier one have finished.
 
@@ -219,7 +218,7 @@ def generate_traces(engine, problems: Iterable[Problem], config: GenerationConfi
 
 @dataclass
 class Generator:
-    """What a worker holds: a loaded model (`models.loading.LoadedModel`) and how it generates."""
+    """What a worker holds: a loaded model (`models.lm.LoadedModel`) and how it generates."""
 
     lm: Any
     config: GenerationConfig

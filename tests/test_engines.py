@@ -132,7 +132,7 @@ needs_vllm = pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not insta
 def test_vllm_on_smollm2_stops_and_keeps_the_stop_token(smollm2):
     """vLLM's greedy continuation of a SmolLM2 chat prompt: at most the limit, ending at a stop token or the limit,
     and the stop token list is honoured exactly (tokens are compared with HF by bench/engine_agreement.py)."""
-    from tasks.datasets import Problem
+    from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
     prompt = build_prompt_ids(smollm2.tokenizer, Problem("p", "What is 2 + 3?", "5", "gsm8k"))

@@ -14,7 +14,7 @@ from core.schemas import Label
 from labeling.windows import find_answer_boundary
 from models.tiny import tiny_tokenizer
 from tasks import known_answer
-from tasks.datasets import DATASETS, Problem, check_dataset, load_problems, resolve_source
+from tasks.datasets import DATASETS, check_dataset, load_problems, resolve_source
 from tasks.known_answer import (
     CUE,
     FILLER,
@@ -29,6 +29,7 @@ from tasks.known_answer import (
     parse_name,
     problem_trace,
 )
+from tasks.problem import Problem
 from validation.known_answer import (
     FactSpans,
     fact_spans,

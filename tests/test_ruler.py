@@ -11,7 +11,8 @@ import pytest
 from core.errors import UsageError
 from models.tiny import tiny_tokenizer
 from tasks import ruler
-from tasks.datasets import DATASETS, Problem, load_problems, resolve_source
+from tasks.datasets import DATASETS, load_problems, resolve_source
+from tasks.problem import Problem
 from tasks.ruler import RulerConfig, answer_items, generate, grade, parse_name
 from tasks.ruler_words import ADJECTIVES, NOUNS, VERBS
 

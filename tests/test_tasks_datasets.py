@@ -9,7 +9,8 @@ import pytest
 
 from core.errors import UsageError
 from tasks import datasets as tasks_datasets
-from tasks.datasets import DATASETS, Problem, gsm8k_gold, load_problems, resolve_source
+from tasks.datasets import DATASETS, gsm8k_gold, load_problems, resolve_source
+from tasks.problem import Problem
 
 
 @pytest.fixture

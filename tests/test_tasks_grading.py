@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tasks.datasets import Problem
 from tasks.grading import MathVerifier, extract_answer, extract_answer_with_rule, grade, is_equivalent, normalize_answer
+from tasks.problem import Problem
 
 
 @pytest.mark.parametrize(
@@ -130,6 +130,24 @@ def test_grade_reports_answer_correct_and_no_answer():
     assert grade("I give up.", problem)["correct"] is False
     gsm = Problem(id="g", question="?", answer="18", dataset="gsm8k")
     assert grade("She makes $18 every day.", gsm)["correct"] is True
+
+
+def test_each_dataset_supplies_its_grading_rule():
+    from tasks import known_answer, ruler
+    from tasks.datasets import grade as grade_by_dataset
+    from tasks.datasets import grader
+
+    assert grader("math500") is grade and grader("gsm8k") is grade
+    assert grader("ruler_niah_single@512") is ruler.grade and grader("known_facts@2") is known_answer.grade
+    # One output, two rules: RULER's exact match of 7-digit values refuses an 8-digit one and scores the match; the
+    # benchmark rule reads the last number as the answer.
+    meta = {"ruler": {"task": "niah_single", "values": ["1234567"], "candidates": None}}
+    needle = Problem(id="r", question="?", answer="1234567", dataset="ruler_niah_single@512", meta=meta)
+    assert grade_by_dataset("It is 1234567.", needle)["score"] == 1.0
+    assert grade_by_dataset("It is 12345678.", needle)["correct"] is False
+    benchmark = Problem(id="b", question="?", answer="12345678", dataset="gsm8k")
+    assert grade_by_dataset("It is 12345678.", benchmark) == {
+        "answer": "12345678", "correct": True, "no_answer": False, "extracted_by": "last_number"}
 
 
 def test_hanging_comparison_is_killed_and_the_verifier_recovers_off_the_main_thread():

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from tasks.datasets import Problem
+from tasks.problem import Problem
 from tasks.prompts import INSTRUCTION, build_prompt_ids, build_prompt_text, uses_chat_template
 
 PROBLEM = Problem(id="t1", question="What is $1+1$?", answer="2", dataset="math500")
