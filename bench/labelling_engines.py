@@ -2,7 +2,7 @@
 
     python bench/labelling_engines.py --traces runs/dense/generations.jsonl --limit 10 --out runs/label-engines
 
-Both label the same dense traces with the same settings (`labeling.occlusion.OcclusionConfig`: forced answer, the
+Both label the same dense traces with the same settings (`labeling.labeler.OcclusionConfig`: forced answer, the
 exclude rule, the auto filler, 64 answer tokens, unless given): ``hf`` is kvscope's fast labeller (shared prefix
 cache, batched windows, drafts verified), ``vllm`` hands every occluded context of a unit to vLLM at once
 (`tasks.engines.greedy_continuations`; its prefix cache computes each trace's unchanged prefix once). Seconds per
@@ -34,7 +34,7 @@ ENGINES = ("hf", "vllm")
 
 def label_with(engine_name: str, traces, config, dataset: str, model: str):
     """(labels, seconds labelling, seconds starting the engine) of `traces` with engine `engine_name`."""
-    from labeling.occlusion import OcclusionLabeler, label_traces
+    from labeling.labeler import OcclusionLabeler, label_traces
     from models.loading import load_model
     from tasks.engines import load_engine
 
@@ -54,7 +54,7 @@ def label_with(engine_name: str, traces, config, dataset: str, model: str):
 
 
 def build_parser():
-    from labeling.occlusion import OcclusionConfig
+    from labeling.labeler import OcclusionConfig
 
     defaults = OcclusionConfig()
     parser = ArgumentParser(prog="python bench/labelling_engines.py", description=__doc__.split("\n\n")[0])
@@ -78,7 +78,7 @@ def _run(argv: list[str] | None) -> int:
     from core.rundir import RunDir
     from core.schemas import Trace, read_records
     from labeling.agreement import label_agreement
-    from labeling.occlusion import OcclusionConfig, select_traces
+    from labeling.labeler import OcclusionConfig, select_traces
     from tasks.engines import check_engine
     from validation.report import write_csv
 

@@ -68,7 +68,7 @@ def _run(argv: list[str] | None) -> int:
     import torch
 
     from core.schemas import Trace, read_records
-    from labeling.occlusion import OcclusionConfig, OcclusionLabeler, make_units
+    from labeling.labeler import OcclusionConfig, OcclusionLabeler, make_units
     from models.loading import load_model
     from tasks.generation import generate
 

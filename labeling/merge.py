@@ -71,7 +71,7 @@ def merge(out: Path) -> tuple[Path, int]:
             if record.id in by_id:
                 raise UsageError(f"trace {record.id!r} appears in more than one shard")
             by_id[record.id] = record
-    # Shard i labels the traces i, i + N, i + 2N, ... of the unsharded selection (`labeling.occlusion.shard_traces`):
+    # Shard i labels the traces i, i + N, i + 2N, ... of the unsharded selection (`labeling.shards.shard_traces`):
     # interleaving restores its order.
     order = [configs[index]["trace_ids"][j] for j in range(max(len(c["trace_ids"]) for c in configs.values()))
              for index in range(count) if j < len(configs[index]["trace_ids"])]

@@ -126,7 +126,7 @@ def occlude(ids: list[int], start: int, end: int, replacement: int | None) -> li
     return ids[:start] + filler + ids[end:]
 
 
-# What a regenerated answer did once a window was occluded (`labeling.occlusion` classifies each window).
+# What a regenerated answer did once a window was occluded (`labeling.labeler` classifies each window).
 SAME, DIFFERENT, NO_ANSWER, DEGENERATE = "same", "different", "no_answer", "degenerate"
 OUTCOMES = (SAME, DIFFERENT, NO_ANSWER, DEGENERATE)
 # How a window that gave no answer (no answer, or a degenerate continuation) enters the position labels.

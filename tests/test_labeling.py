@@ -12,15 +12,9 @@ from core.errors import UsageError
 from core.schemas import Label, Trace
 from labeling import speculative
 from labeling.agreement import cohen_kappa, label_agreement
-from labeling.occlusion import (
-    OcclusionConfig,
-    OcclusionLabeler,
-    estimate_seconds,
-    label_traces,
-    make_units,
-    refuse_evicted,
-    select_traces,
-)
+from labeling.estimates import estimate_seconds
+from labeling.job import refuse_evicted
+from labeling.labeler import OcclusionConfig, OcclusionLabeler, label_traces, make_units, select_traces
 from labeling.regenerate import PrefixCache, Row, greedy_extend_with_draft, regenerate_naive, regenerate_rows
 from labeling.replacement import pad_problem, resolve_replacement
 from labeling.speculative import NgramLookup, _compact, _join, speculative_greedy

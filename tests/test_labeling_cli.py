@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_traces  # tests/ is on sys.path under pytest
 from test_backend import _die_once
 
-import labeling.occlusion
+import labeling.job
 from core.rundir import RunDir
 from labeling.merge import main as merge_main
 from labeling.occlusion import main
@@ -303,8 +303,8 @@ def test_a_ray_worker_killed_mid_run_loses_no_label_and_doubles_none(local_ray, 
     argv = ["--include-incorrect", "--traces-per-batch", "1"]
     assert main(_args(traces, serial, *argv)) == 0
     marker = tmp_path / "killed"
-    monkeypatch.setattr(labeling.occlusion, "labelled_unit",
-                        functools.partial(_die_once, str(marker), labeling.occlusion.labelled_unit))
+    monkeypatch.setattr(labeling.job, "labelled_unit",
+                        functools.partial(_die_once, str(marker), labeling.job.labelled_unit))
     assert main(_args(traces, parallel, *argv, "--backend", "ray", "--workers", "2")) == 0
     assert marker.exists()  # a worker did die mid-unit
     assert _records(parallel / "labels.jsonl") == _records(serial / "labels.jsonl")  # every record once, in order

@@ -7,10 +7,12 @@ import json
 import pytest
 
 from core.schemas import Trace
-from labeling.occlusion import OcclusionConfig, OcclusionLabeler, main, make_units
+from labeling.labeler import OcclusionConfig, OcclusionLabeler, make_units
+from labeling.occlusion import main
 from labeling.replacement import resolve_replacement
-from tasks.datasets import Problem, load_problems
+from tasks.datasets import load_problems
 from tasks.generation import generate, stop_token_ids
+from tasks.problem import Problem
 from tasks.prompts import build_prompt_ids
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.usefixtures("one_thread")]
