@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a fixed prompt, forced-length generation, medians and ratio tables.
+"""Shared pieces of the benchmarks: a fixed prompt, forced-length generation, medians and ratio tables, and the
+random-init Llama shapes of the GPU check.
 
 Benchmarks are scripts, not tests: they print medians over repeats and ratios against a baseline measured in the
 same run, with the runs of different settings interleaved (repeat-major) so that machine load drifts hit all alike.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +24,33 @@ QUESTION = (
     "How many clips did Natalia sell altogether in April and May?"
 )
 
+BIG = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+           "rope_theta": 500000.0}
+SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 8192}
+
+
+def build_llama(shape: dict, kernel: str, device: torch.device, dtype: torch.dtype, name: str):
+    """A random-init Llama of `shape` (a LlamaConfig's fields) as a `LoadedModel`, seeded, in eval mode."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from models.lm import LoadedModel
+    from models.tiny import tiny_tokenizer
+
+    config = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    start = time.perf_counter()
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
+    model.eval()
+    tokenizer = tiny_tokenizer()  # only its pad/eos ids are read; prompts are random ids
+    return LoadedModel(model, tokenizer, name, "random-init", time.perf_counter() - start)
+
 
 def fixed_prompt(lm) -> list[int]:
     """The benchmark prompt, formatted the way evaluation runs format it."""
-    from tasks.datasets import Problem
+    from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
     return build_prompt_ids(lm.tokenizer, Problem("bench", QUESTION, "72", "gsm8k"))

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from core.rundir import RunDir
-    from evictor.policy import get_policy
+    from evictor.policies import get_policy
     from models.loading import load_model
     from validation.report import write_csv as write_rows
 

@@ -23,38 +23,10 @@ an out-of-memory error marks the row OOM and skips longer contexts of that setup
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-BIG = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-           "rope_theta": 500000.0}
-SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 8192}
-
-
-def build_llama(shape: dict, kernel: str, device: torch.device, dtype: torch.dtype, name: str):
-    """A random-init Llama of `shape` (a LlamaConfig's fields) as a `LoadedModel`, seeded, in eval mode."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from models.loading import LoadedModel
-    from models.tiny import tiny_tokenizer
-
-    config = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    start = time.perf_counter()
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=kernel)
-    model.eval()
-    tokenizer = tiny_tokenizer()  # only its pad/eos ids are read; prompts are random ids
-    return LoadedModel(model, tokenizer, name, "random-init", time.perf_counter() - start)
+from common import BIG, SMALL, build_llama  # common puts the repository on sys.path
 
 
 def check_against_reference(lm, kernel: str, device) -> str:

@@ -64,7 +64,7 @@ if [ -z "$model" ]; then
     "$python" - "$model" "$shape" <<'PY'
 import sys, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
-from bench.gpu_check import BIG, SMALL
+from bench.common import BIG, SMALL
 from models.tiny import tiny_tokenizer
 
 path, shape = sys.argv[1], sys.argv[2]

@@ -59,7 +59,7 @@ class Scoring:
         self.layer_score_bytes = 0
 
     def __call__(self, model, forward):
-        from evictor.policy import get_policy
+        from evictor.policies import get_policy
 
         out, scores = self.score_layers(model, get_policy(self.policy), forward)
         self.layer_score_bytes = sum(s.numel() * s.element_size() for s in scores) // max(1, len(scores))
@@ -73,8 +73,8 @@ def _candidates(batch: int, n_kv: int, n: int, device) -> dict[str, torch.Tensor
 
 
 def h2o_scores(model, policy, forward) -> tuple[Any, list[torch.Tensor]]:
-    from evictor.policy import ScoreInputs
     from models.attention import group_mean
+    from scoring.policy import ScoreInputs
 
     out = forward()
     n_kv = model.config.num_key_value_heads
@@ -89,7 +89,7 @@ def h2o_scores(model, policy, forward) -> tuple[Any, list[torch.Tensor]]:
 
 
 def valuediff_scores(model, policy, forward) -> tuple[Any, list[torch.Tensor]]:
-    from evictor.policy import ScoreInputs
+    from scoring.policy import ScoreInputs
 
     out = forward()
     scores = []
@@ -104,8 +104,8 @@ def valuediff_scores(model, policy, forward) -> tuple[Any, list[torch.Tensor]]:
 
 
 def epikv_scores(model, policy, forward) -> tuple[Any, list[torch.Tensor]]:
-    from evictor.policy import ObserveInputs
     from models.hooks import capture, hook_name
+    from scoring.policy import ObserveInputs
 
     depth = model.config.num_hidden_layers
     policy = type(policy)(positive_layers=(0,), negative_layers=(depth - 1,)).for_depth(depth)
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import psutil
-    from gpu_check import BIG, build_llama
+    from common import BIG, build_llama
 
     from core.rundir import RunDir
     from models.loading import default_device

@@ -1,6 +1,6 @@
 """Run directories: the one place where an output directory is claimed, checked, locked and resumed.
 
-Every stage that writes results (`tasks.run`, `evictor.run`, `labeling.occlusion`, `probes.signals`, the probes,
+Every stage that writes results (`tasks.run`, `evictor.run`, `labeling.occlusion`, `signals`, the probes,
 `geometry.survey`, `study`) claims its ``--out`` with a `RunDir` before it does any expensive work:
 
 1. **Path.** An existing file, or a directory that cannot be created, is a `UsageError` naming the path.

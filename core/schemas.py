@@ -3,10 +3,10 @@
 =========  ======================================  =============================================  ==========
 kind       written by                              read by                                        id
 =========  ======================================  =============================================  ==========
-trace      tasks.run, evictor.run (one per problem) labeling, probes.signals, evictor (replay,       problem id
+trace      tasks.run, evictor.run (one per problem) labeling, signals, evictor (replay,              problem id
                                                    --reference), validation.compare, study
 label      labeling.occlusion (one per trace)      validation, study, figures                     problem id
-signal     probes.signals, evictor.replay          validation, study, figures                     problem id
+signal     signals, evictor.replay                 validation, study, figures                     problem id
 cell       evictor.run summary (one per cell)      validation.compare, figures, study             cell label
 probe_row  probes.planted_fact / probes.passcode   figures, study                                 condition
 =========  ======================================  =============================================  ==========
@@ -219,7 +219,7 @@ class Cell(Record):
     max_peak_slots: int | None = None  # the most cache slots any KV head held (the equal-cache comparison key)
     max_peak_cache_bytes: int | None = None
     max_peak_memory_bytes: int | None = None
-    # Why some of the cell's problems ran outside its policy's protocol (`evictor.policy.Policy.outside_protocol`),
+    # Why some of the cell's problems ran outside its policy's protocol (`scoring.policy.Policy.outside_protocol`),
     # "<n> of <N> problems: <reason>"; None when every problem ran inside it. Such a cell measures a variant, not
     # the method, and tables and figures say so.
     outside_protocol: str | None = None

@@ -14,7 +14,7 @@ maximum logit, R-KV's aggregation) and reduced at once into per-slot tensors of 
   every layer); a slot that entered after a query holds 0 in that query's row, as the query never saw it;
 - with ``Needs.refresh_threshold = c`` (RaaS), also ``attn_refreshed [b, kv, slots]``: the position of the newest
   query whose probability on the slot exceeded ``c / n``, n the number of keys that query saw (its uniform share),
-  or the slot's own position when none did (`probes.signals.attention.raas_timestamps`, applied to every query as
+  or the slot's own position when none did (`signals.attention.raas_timestamps`, applied to every query as
   it runs, so the value is exact however many queries ago the refresh happened).
 
 No ``[queries, queries]`` matrix is ever kept. FA-compatible policies never get a feed: `AttentionFeed` instances
@@ -32,7 +32,7 @@ from evictor.cache import EvictingCache
 from evictor.instrument import SpanTimer
 from models.attention import attention_logits, attention_probabilities, group_mean, visible_by_position
 from models.hooks import capture, hook_name, layer_specs
-from probes.signals.attention import group_max_probabilities, raas_timestamps
+from signals.attention import group_max_probabilities, raas_timestamps
 
 
 class _QueryRing:

@@ -21,7 +21,7 @@ from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_
 from core.errors import UsageError
 from evictor.calibration import dense_traces
 from evictor.calibration.thinkv import DEFAULT_BAND_ORDER, DEFAULT_TAU, check_band_order
-from probes.signals.__main__ import traces_model
+from signals.traces import traces_model
 
 METHODS = ("triattention", "thinkv")
 

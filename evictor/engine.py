@@ -41,12 +41,13 @@ from core.errors import UsageError
 from evictor.attention import AttentionFeed
 from evictor.cache import EvictingCache, position_mask
 from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
-from evictor.policy import ObserveInputs, Policy, ScoreInputs, get_policy
+from evictor.policies import get_policy
 from evictor.protocol import EvictionConfig, RoundPlan, SequenceBudgets, plan_round, sequence_budgets
 from models.attention import layer_kinds
 from models.hooks import capture, decoder_layers, hook_name
 from models.kernels import require_flash
 from models.lm import LoadedModel, attention_kernel
+from scoring.policy import ObserveInputs, Policy, ScoreInputs
 from tasks.generation import pick_tokens, stop_token_ids
 
 FROZEN = "frozen"

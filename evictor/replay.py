@@ -46,8 +46,8 @@ Command line::
     python -m evictor.replay --traces dense/generations.jsonl --policies all --out runs/replay/signals.jsonl
     python -m evictor.replay --traces T --policies triattention --policy-config tri.json --out S
 
-`--out` is a JSONL file, resumable, with ``<stem>.config.json`` and a lock beside it (like ``probes.signals``); a rerun
-with other traces, model, policies (with their parameters), replay settings or dtype is refused.
+`--out` is a JSONL file, resumable, with ``<stem>.config.json`` and a lock beside it (like ``python -m signals``); a
+rerun with other traces, model, policies (with their parameters), replay settings or dtype is refused.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from evictor.policy import (
 )
 from evictor.protocol import WHOLE_PROMPT, EvictionConfig, resolve_budget
 from labeling.windows import DEFAULT_TAIL, find_answer_boundary
+from scoring.policy import Policy
 
 AGGREGATE = "agg"
 
@@ -97,9 +98,9 @@ class ReplayConfig:
     seed: int = 0
     tail: int = DEFAULT_TAIL  # the answer span of a trace with neither </think> nor \boxed{ (as the labels)
 
-    def __post_init__(self) -> None:
         if self.keep is not None and (not self.keep > 0 or (self.keep >= 1 and self.keep != int(self.keep))):
             raise UsageError(f"keep must be a positive whole number of tokens or a fraction in (0, 1), got {self.keep}")
+    def __post_init__(self) -> None:
         if self.block < 1 or self.teacher_block < 1 or self.tail < 0:
             raise UsageError(f"block and teacher_block must be >= 1 and tail >= 0, got {self.block}, "
                              f"{self.teacher_block} and {self.tail}")
@@ -280,7 +281,7 @@ def chosen_policies(text: str | None, config_files: Sequence[str]) -> dict[str, 
 
 def _run(argv: list[str] | None) -> int:
     from models.loading import model_limits
-    from probes.signals.__main__ import claim_output, read_dense_traces, traces_model
+    from signals.traces import claim_output, read_dense_traces, traces_model
 
     args = build_parser().parse_args(argv)
     policies = chosen_policies(args.policies, args.policy_config)

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import io
 import json
-import math
 import statistics
 import sys
 import time
@@ -65,13 +64,13 @@ from evictor.protocol import (
     Protocol,
     add_protocol_arguments,
     protocol_overrides,
-    resolve_budget,
     resolve_protocol,
+    resolve_budget,
     token_flags,
 )
 from models.loading import KERNELS
 from models.registry import DEFAULT_MODEL, REGISTRY
-from tasks.datasets import Problem
+from tasks.problem import Problem
 from tasks.run import GenerationConfig, graded_trace, summarize
 
 # Protocol fields no preset sets: the budget is per cell, the seed is the generation seed, the keep-log changes no
@@ -174,6 +173,7 @@ class SweepWorker:
     config: SweepConfig
 
 
+def build_parser() -> argparse.ArgumentParser:
 def parse_budgets(text: str) -> list[float]:
     """``"256,512,0.25"`` -> [256, 512, 0.25]; each a positive whole number of tokens or a fraction in (0, 1)."""
     budgets = []
@@ -190,7 +190,6 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
-def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m evictor.run",
         description="Generate answers with decode-time KV-cache eviction (physical, per KV head), grade them, and "

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overhead-gb", type=float, default=defaults["overhead_gb"],
                         help=f"memory held back for activations and the runtime, in GB (default "
                         f"{defaults['overhead_gb']:g} = 10%% of 80 GB)")
-    # --n-layers, not --layers: elsewhere in kvscope --layers selects layers (indices in probes.signals and
+    # --n-layers, not --layers: elsewhere in kvscope --layers selects layers (indices in python -m signals and
     # planted_fact, a depth among the table's in prefill_memory); here it is the size of a model that need not exist.
     parser.add_argument("--n-layers", type=positive_int, default=defaults["n_layers"],
                         help=f"number of decoder layers (default {defaults['n_layers']})")

@@ -29,7 +29,7 @@ FIRST_KEPT_FRACTIONS = (0.25, 0.5)  # budgets, as fractions of the context, of t
 
 def distances_to_mean(x: torch.Tensor) -> torch.Tensor:
     """``||x_i - mean(x)||_2`` per vector of ``x [..., n, d]`` -> ``[..., n]``: of the values, ValueDiff's score
-    (eq. 4) with every token of the context in the cache (`probes.signals.kv.distance_to_mean` without a ref)."""
+    (eq. 4) with every token of the context in the cache (`signals.kv.distance_to_mean` without a ref)."""
     return (x - x.mean(dim=-2, keepdim=True)).norm(dim=-1)
 
 

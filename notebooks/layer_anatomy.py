@@ -15,7 +15,7 @@
 #    slides over each trace's reasoning, is replaced by a filler token, the answer is regenerated, and positions whose
 #    window flips the answer are important. Small models rarely answer correctly, so `include_incorrect` labels every
 #    trace against the model's own regenerated answer.
-# 2. **Signals** (`probes.signals`): the hidden-state change g_l(t) = ‖h_l(t) − h_l(t−1)‖ at every layer, smoothed
+# 2. **Signals** (`signals`): the hidden-state change g_l(t) = ‖h_l(t) − h_l(t−1)‖ at every layer, smoothed
 #    causally by a rolling mean (EpiKV Eq. 1) and by a rolling z-score (Eq. 2).
 # 3. **Validation** (`validation.layers`): per-layer Spearman ρ with occlusion labels, within-trace with Fisher-z
 #    intervals on n_eff = traces and a multiple-comparison correction; bands of significant layers; the positional
@@ -32,7 +32,7 @@ include_incorrect = True  # label wrongly answered traces too (against the model
 window = 32  # occlusion window, tokens
 stride = 16  # step between windows
 max_answer_tokens = 64  # regeneration limit per occluded context
-signals = "hidden_diff"  # probes.signals signals (comma list)
+signals = "hidden_diff"  # the signals to compute (comma list; python -m signals --help names them)
 smoothing_window = 64  # rolling window of both smoothings
 stat = "within"  # rho drawn in the figures: "within" (mean within-trace) or "pooled"
 traces_file = None  # reuse these dense traces (tasks.run or evictor.run --policy full output)
@@ -59,7 +59,8 @@ fig_dir = out / "figures"
 # ## 1. Dense traces and occlusion labels
 
 # %%
-from labeling.occlusion import OcclusionConfig, OcclusionJob, run_occlusion
+from labeling.job import OcclusionJob, run_occlusion
+from labeling.labeler import OcclusionConfig
 
 if labels_file is None:
     occlusion = OcclusionConfig(window=window, stride=stride, max_answer_tokens=max_answer_tokens,
@@ -83,7 +84,7 @@ pd.DataFrame([{"trace": r.id, "status": r.status, "correct": r.correct, "tokens"
 
 # %%
 from models.loading import load_model
-from probes.signals.__main__ import SignalsConfig, read_dense_traces, trace_signals
+from signals.traces import SignalsConfig, read_dense_traces, trace_signals
 
 traces = read_dense_traces(str(traces_path))
 lm = load_model(model, dtype="float32")

@@ -4,7 +4,7 @@ Random Attention notes §4 Part B (iii), Table 3 and Takeaway B3: "The passcode 
 reasoning text, far enough back that N eviction rounds see it as a candidate, and the question "What was the
 passcode? The passcode is" follows. Nothing is pinned: a policy recovers the passcode only if its score kept the
 digits in some head. Everything after a short prefilled stub is teacher-forced through the engine's decode path
-(layout and statistics: `probes._eviction_probe`; the same machinery as `probes.planted_fact`).
+(layout: `probes.instances`, statistics: `probes.statistics`; the same machinery as `probes.planted_fact`).
 
 Per policy: retrieval (greedy decoding reproduces the 4 digits; Wilson interval; chance 1/9000), mean log p of the
 passcode's digit tokens (0 = certain, very negative = gone; instance bootstrap interval) and ``held``, the fraction
@@ -40,37 +40,14 @@ from core.rundir import RunDir
 from core.schemas import ProbeRow
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
-from evictor.policy import configured_policy, policy_names
-from probes._eviction_probe import (
-    CHANCE,
-    SERIAL,
-    Distance,
-    Instance,
-    InstanceBuilder,
-    Layout,
-    ProbeConfig,
-    ProbeResult,
-    ProbeWorker,
-    Schedule,
-    Script,
-    add_common_arguments,
-    base_layout,
-    chunks,
-    config_from_arguments,
-    default_out,
-    dense_logprobs,
-    fact_rounds,
-    filler_texts,
-    format_table,
-    layout_record,
-    load_probe_worker,
-    outcome,
-    protocol_layout,
-    retrieval_statistics,
-    run_forced,
-    stub_ids,
-    write_summary,
-)
+from evictor.policies import policy_names
+from evictor.policy import configured_policy
+from probes.config import ProbeConfig, add_common_arguments, config_from_arguments
+from probes.forcing import SERIAL, ProbeWorker, chunks, dense_logprobs, load_probe_worker, outcome, run_forced
+from probes.instances import CHANCE, Instance, InstanceBuilder, Layout, Script, base_layout, filler_texts, stub_ids
+from probes.schedule import Distance, Schedule, fact_rounds, protocol_layout
+from probes.statistics import retrieval_statistics
+from probes.summary import ProbeResult, default_out, format_table, layout_record, write_summary
 
 PROBE = "passcode"
 SCRIPT = Script(fact="\nThe passcode is {value}.", question="\nWhat was the passcode? The passcode is")

@@ -3,7 +3,7 @@
 Random Attention notes §4 Part B (ii), Takeaway B2 and Step 5. A synthetic fact ``Let zq = 4729.`` (a fixed-size
 box of tokens) is inserted into real reasoning text, a chosen distance before a question that needs it
 (``What is the value of zq? zq = ``), and everything after a short prefilled stub is teacher-forced through the
-engine's decode path so it is evicted like generated text (layout: `probes._eviction_probe`). The experimenter
+engine's decode path so it is evicted like generated text (layout: `probes.instances`). The experimenter
 decides which KV heads keep the fact; the chosen policy (default Random Attention) evicts everything else.
 
 The default model, ``smollm2-135m-mha``, is SmolLM2-135M-Instruct with each KV head duplicated for every query head
@@ -58,38 +58,15 @@ from core.rundir import RunDir
 from core.schemas import ProbeRow
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
-from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy
+from evictor.policies import get_policy
 from models.loading import model_limits
-from probes._eviction_probe import (
-    CHANCE,
-    SERIAL,
-    Instance,
-    InstanceBuilder,
-    Layout,
-    ProbeConfig,
-    ProbeResult,
-    ProbeWorker,
-    Schedule,
-    Script,
-    add_common_arguments,
-    base_layout,
-    chunks,
-    config_from_arguments,
-    default_out,
-    dense_logprobs,
-    fact_rounds,
-    filler_texts,
-    format_table,
-    layout_record,
-    load_probe_worker,
-    outcome,
-    parse_distance,
-    protocol_layout,
-    retrieval_statistics,
-    run_forced,
-    stub_ids,
-    write_summary,
-)
+from probes.config import ProbeConfig, add_common_arguments, config_from_arguments
+from probes.forcing import SERIAL, ProbeWorker, chunks, dense_logprobs, load_probe_worker, outcome, run_forced
+from probes.instances import CHANCE, Instance, InstanceBuilder, Layout, Script, base_layout, filler_texts, stub_ids
+from probes.schedule import Schedule, fact_rounds, parse_distance, protocol_layout
+from probes.statistics import retrieval_statistics
+from probes.summary import ProbeResult, default_out, format_table, layout_record, write_summary
+from scoring.policy import Needs, ObserveInputs, Policy, ScoreInputs
 
 PROBE = "planted_fact"
 # SmolLM2-135M with one KV head per query head (models.expand): 9 heads to pin the fact in instead of 3.

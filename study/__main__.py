@@ -22,7 +22,7 @@ from core.cli import (
     unit_interval,
 )
 from evictor.protocol import PROTECTIONS, PROTOCOLS
-from labeling.occlusion import DEFAULT_NO_ANSWER
+from labeling.labeler import DEFAULT_NO_ANSWER
 from labeling.windows import DEFAULT_TAIL, NO_ANSWER_RULES
 from models.registry import DEFAULT_MODEL, REGISTRY
 from study.config import (
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({', '.join(AGREEMENT_REPLACEMENTS)}; auto is the pad token where it is harmless) and report "
                         "label agreement (Cohen's kappa per position and per window) and the ranking under each; 0 = "
                         "off (default: all)")
-    signals = parser.add_argument_group("signals and selection (evictor.replay, probes.signals, validation.select)")
+    signals = parser.add_argument_group("signals and selection (evictor.replay, signals, validation.select)")
     signals.add_argument("--scorers", default=",".join(DEFAULT_SCORERS),
                          help="comma list of registered policies whose replayed scores are validated and may be "
                          f"selected (default: {','.join(DEFAULT_SCORERS)}; python -m evictor.policies lists them)")

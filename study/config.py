@@ -8,17 +8,16 @@ before it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import UsageError, unknown_choice
-from labeling.occlusion import DEFAULT_NO_ANSWER, OcclusionConfig
+from labeling.labeler import DEFAULT_NO_ANSWER, OcclusionConfig
 from labeling.replacement import check_spec
 from labeling.windows import DEFAULT_TAIL
 from models.registry import DEFAULT_MODEL
-from probes.signals.hidden import DEFAULT_WINDOW
+from signals.hidden import DEFAULT_WINDOW
 from validation.stats import DEFAULT_N_BOOT
 
 # The paper whose claim each default policy carries (EpiKV, ValueDiff, Random Attention), and the baselines every
@@ -145,7 +144,8 @@ class StudyConfig:
 
     def check(self) -> None:
         """Refuse any setting no stage can run with, naming it: nothing is loaded or written before this passes."""
-        from evictor.policy import POLICIES, calibrated_policies, choose_policies, get_policy
+        from evictor.policies import POLICIES, get_policy
+        from evictor.policy import calibrated_policies, choose_policies
         from evictor.protocol import PROTECTIONS, PROTOCOLS
         from models.loading import check_model_name
         from tasks.datasets import check_dataset

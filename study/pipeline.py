@@ -27,8 +27,8 @@ from typing import Any
 from core.backend import BackendConfig, connected
 from core.cli import write_json
 from core.rundir import RunDir, source_revision
-from labeling.occlusion import estimate_seconds as labelling_seconds
-from labeling.occlusion import format_duration
+from labeling.estimates import estimate_seconds as labelling_seconds
+from labeling.estimates import format_duration
 from study import stages
 from study.config import LONG_CONTEXT_LABELS, StudyConfig, evicts, is_known_answer, is_long_context
 
@@ -127,7 +127,7 @@ INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels")
 
 def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int) -> float | None:
     """An order of magnitude of stage `name`'s wall time from the dense traces' decode rate r (tokens/s); None
-    before the traces exist. Labels: `labeling.occlusion.estimate_seconds` over the traces to label, divided by the
+    before the traces exist. Labels: `labeling.estimates.estimate_seconds` over the traces to label, divided by the
     fast labeller's usual speed-up; signals: every reasoning token once per scorer, teacher-forced in blocks
     (`REPLAY_SPEEDUP`); evictor: every cell decoding as many tokens as the dense traces did on the problems it runs,
     batching taken to gain about the square root of the batch size on a CPU."""

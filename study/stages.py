@@ -3,8 +3,8 @@
     traces -> labels -> agreement (optional) -> signals -> selection -> evictor -> compare
 
 Each function takes the study's `StudyConfig`, the outputs of the stages it reads and its own directory, calls the
-library of the stage it wraps (`tasks.run`, `labeling.occlusion`, `labeling.agreement`, `evictor.replay`,
-`probes.signals`, `validation.select`, `evictor.run`, `validation.compare`) and returns its outputs: a JSON object
+library of the stage it wraps (`tasks.run`, `labeling.job`, `labeling.agreement`, `evictor.replay`,
+`signals`, `validation.select`, `evictor.run`, `validation.compare`) and returns its outputs: a JSON object
 whose file paths are relative to the study directory. Every file a stage writes is that library's own format, so
 each stage's output is what the stage's own command line writes and reads.
 
@@ -39,7 +39,7 @@ from study.config import (
 Outputs = dict[str, Any]
 TRACES_FILE = "generations.jsonl"
 REPLAY_FILE = "replay.jsonl"
-# probes.signals files: the raw per-layer interpretability signals (g_l, key norms, attention received), and g_l's
+# signals files: the raw per-layer interpretability signals (g_l, key norms, attention received), and g_l's
 # rolling mean and rolling z (the two band scores). Attention received is H2O's score: when h2o is a replayed scorer
 # its replay is that signal, under the same name, so it is not computed twice.
 SMOOTHED_SIGNALS = {"raw": ("hidden_diff", "key_norm", "h2o"), "mean": ("hidden_diff",), "z": ("hidden_diff",)}
@@ -79,7 +79,7 @@ def read_traces(path: Path) -> list[Trace]:
 
 def check_reused_traces(config: StudyConfig, problems) -> list[Trace]:
     """The --traces records of the study's problems: dense, of --model and --dataset, holding every problem."""
-    from probes.signals.__main__ import read_dense_traces
+    from signals.traces import read_dense_traces
 
     traces = {trace.id: trace for trace in read_dense_traces(config.traces)}
     models = sorted({str(t.model) for t in traces.values()})
@@ -140,7 +140,8 @@ def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig)
 # --- labels ---------------------------------------------------------------------------------------------------------
 def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths, backend: BackendConfig) -> Outputs:
     """Occlusion labels of the dense traces (correct ones only unless --include-incorrect)."""
-    from labeling.occlusion import NoAnswerCue, NothingLabelled, OcclusionJob, run_occlusion, select_traces
+    from labeling.job import NoAnswerCue, NothingLabelled, OcclusionJob, run_occlusion
+    from labeling.labeler import select_traces
 
     occlusion = config.occlusion()
     trace_file = paths.abs(traces["traces"])
@@ -186,7 +187,7 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
     pad token where it is harmless; the neutral space token; deletion), and the agreement of every pair of label sets
     (`labeling.agreement`: Cohen's kappa per position and per window, and how window outcomes move)."""
     from labeling.agreement import label_agreement
-    from labeling.occlusion import NothingLabelled, OcclusionJob, run_occlusion
+    from labeling.job import NothingLabelled, OcclusionJob, run_occlusion
 
     ids = labels["labelled_ids"][: config.agreement_traces]
     main = labels["replacement"]
@@ -231,13 +232,13 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
 # --- signals --------------------------------------------------------------------------------------------------------
 def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: Path, paths: Paths) -> Outputs:
     """Every scorer's replayed scores (`evictor.replay`) and the per-layer interpretability signals
-    (`probes.signals`: g_l raw, rolling mean, rolling z; key norms; attention received) of the labelled traces."""
+    (`signals`: g_l raw, rolling mean, rolling z; key norms; attention received) of the labelled traces."""
     from tqdm import tqdm
 
     from evictor.policy import configured_policy
     from evictor.replay import ReplayConfig, build_engines, replay_signals
     from models.loading import load_model
-    from probes.signals.__main__ import SignalsConfig, claim_output, trace_signals
+    from signals.traces import SignalsConfig, claim_output, trace_signals
 
     ids = set(labels["labelled_ids"])
     todo_traces = [t for t in read_traces(paths.abs(traces["traces"])) if t.id in ids]
@@ -489,9 +490,9 @@ def compare_stage(config: StudyConfig, evictor: Outputs, paths: Paths) -> Output
     sign test (`validation.compare`), refusing cells of unequal peak cache."""
     from validation.compare import EVERY_POLICY, CompareConfig, compare
 
-    baseline = evictor["sweeps"][BASELINE_SWEEP]
     if REFERENCE not in baseline["configs"]:
         return {"rows": [], "reason": "no budget below 1: nothing was evicted"}
+    baseline = evictor["sweeps"][BASELINE_SWEEP]
     pairs = [(BASELINE_SWEEP, policy) for policy in baseline["configs"] if policy != REFERENCE]
     pairs += [(name, EVERY_POLICY) for name in evictor["sweeps"] if name != BASELINE_SWEEP]
     rows = []

@@ -23,6 +23,7 @@ from evictor.protocol import EvictionConfig, plan_round, resolve_budget, resolve
 from models.attention import group_mean
 from models.hooks import decoder_layers
 from models.tiny import tiny_model
+from scoring.policy import Needs, ObserveInputs, Policy, ScoreInputs
 from tasks.generation import stop_token_ids
 
 TEXT = "Let x = 7 and y = 5. Then x*y = ?"
@@ -778,7 +779,7 @@ def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smo
 def test_smollm2_eager_and_sdpa_generate_the_same_tokens_while_evicting(smollm2, name):
     """fp32 on the CPU: the attention the policy reads is recomputed the same way under both kernels, so the kernels'
     rounding differences must not change a single kept slot or token."""
-    from tasks.datasets import Problem
+    from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
     problem = Problem("t", "What is 12 times 13? Think step by step.", "156", "gsm8k")

@@ -35,7 +35,8 @@ from core.rundir import RunDir
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "models", "tasks", "probes", "geometry", "labeling", "validation", "evictor", "figures", "study")
+PACKAGES = ("core", "models", "tasks", "scoring", "signals", "geometry", "labeling", "validation", "evictor", "probes",
+            "figures", "study")
 # Modules with a __main__ block that are no user CLI: processes kvscope itself starts, which take no flags.
 INTERNAL = {"tasks._verify_worker", "tasks.vllm_worker"}
 HUGE = "1" + "0" * 30
@@ -276,7 +277,7 @@ BASES = {
     "labeling.occlusion": ["--traces", "{traces}", "--window", "8", "--stride", "4", "--max-answer-tokens", "4",
                            "--include-incorrect", "--out", "OUT"],
     "labeling.merge": ["{shards}"],
-    "probes.signals": ["--traces", "{traces}", "--out", "OUT/signals.jsonl"],
+    "signals": ["--traces", "{traces}", "--out", "OUT/signals.jsonl"],
     "probes.passcode": [*_PROBE, "--budget", "96", "--rounds", "2"],
     "probes.planted_fact": [*_PROBE, "--budget", "128", "--heads", "none;all"],
     "geometry.survey": ["--model", "{tiny}", "--prompts", "2", "--ctx", "64", "--queries", "16", "--topk", "16",

@@ -243,7 +243,7 @@ def test_first_token_kept_counts_the_tokens_that_outscore_position_0():
 
 
 def test_distances_to_mean_are_valuediffs_score_over_the_whole_context():
-    from probes.signals.kv import distance_to_mean
+    from signals.kv import distance_to_mean
 
     values = torch.randn(2, 3, 10, 4, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(distances_to_mean(values), distance_to_mean(values))

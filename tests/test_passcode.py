@@ -15,7 +15,7 @@ import torch
 
 from core.errors import UsageError
 from core.schemas import ProbeRow, as_json
-from evictor.policy import policy_names
+from evictor.policies import policy_names
 from probes.passcode import PasscodeConfig, main, parse_condition, parse_policies, run_passcode
 
 REPO = Path(__file__).resolve().parents[1]

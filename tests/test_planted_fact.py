@@ -17,30 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-import probes._eviction_probe
+import probes.config
 from core.errors import UsageError
 from core.rundir import RunDir
 from core.schemas import ProbeRow
 from evictor.engine import EvictionEngine
-from evictor.policy import ScoreInputs, get_policy
+from evictor.policies import get_policy
 from evictor.protocol import EvictionConfig
-from probes._eviction_probe import (
-    Distance,
-    InstanceBuilder,
-    Layout,
-    Schedule,
-    base_layout,
-    dense_logprobs,
-    eviction_rounds,
-    fact_rounds,
-    graded_recall,
-    parse_distance,
-    protocol_layout,
-    ratio_bootstrap,
-    retrieval_statistics,
-    run_forced,
-    stub_ids,
-)
+from probes.forcing import dense_logprobs, run_forced
+from probes.instances import InstanceBuilder, Layout, base_layout, stub_ids
 from probes.passcode import main as passcode_main
 from probes.planted_fact import (
     SCRIPTS,
@@ -54,6 +39,9 @@ from probes.planted_fact import (
     pin_scores,
     run_planted_fact,
 )
+from probes.schedule import Distance, Schedule, eviction_rounds, fact_rounds, parse_distance, protocol_layout
+from probes.statistics import graded_recall, ratio_bootstrap, retrieval_statistics
+from scoring.policy import ScoreInputs
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [(f"t{i}", f"Step {i}: we expand the product and collect like terms, so the sum of the roots is "
@@ -311,7 +299,7 @@ def test_probe_clis_refuse_an_unusable_out_or_device_at_once(tmp_path, data_dir,
                                                              extra, message):
     """Both probes: an --out that is a file, lies below a file or is held by a running probe, and a device that does
     not exist, are one line and exit 2 before any model is loaded, and nothing is written."""
-    monkeypatch.setattr(probes._eviction_probe, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(probes.config, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     occupied = tmp_path / "occupied"
     occupied.write_text("a file where a run directory is asked for")
     with RunDir(tmp_path / "held", {"probe": "another run"}):

@@ -16,8 +16,8 @@ from core.cli import ArgumentParser
 from core.errors import UsageError
 from evictor.engine import EvictionEngine
 from evictor.instrument import kept_positions
+from evictor.policies import get_policy, policy_names
 from evictor.policies.__main__ import main as cli_main
-from evictor.policy import ObserveInputs, ScoreInputs, get_policy, policy_names
 from evictor.protocol import (
     PRESETS,
     EvictionConfig,
@@ -29,8 +29,9 @@ from evictor.protocol import (
     sequence_budgets,
 )
 from models.hooks import capture, hook_name
-from probes.signals import attention as att
-from probes.signals.kv import lag_normalised_variance
+from scoring.policy import ObserveInputs, ScoreInputs
+from signals import attention as att
+from signals.kv import lag_normalised_variance
 
 # One sequence, one KV head, four candidates (the ValueDiff example): mean (1, .125)
 VECTORS = torch.tensor([[1.0, 0.0], [0.0, 0.0], [3.0, 0.0], [0.0, 0.5]])[None, None]  # [1, 1, 4, 2]

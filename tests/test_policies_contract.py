@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from evictor.calibration import CalibratedPolicy
-from evictor.policy import POLICIES, Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
-from probes.signals.attention import raas_timestamps
+from evictor.policies import POLICIES, get_policy, policy_names
+from scoring.policy import Needs, ObserveInputs, Policy, ScoreInputs
+from signals.attention import raas_timestamps
 
 B, H, D, D_MODEL, T, PROMPT = 2, 3, 8, 16, 48, 32
 FIRST, BUFFER = 4, 8  # candidates are positions FIRST .. T-BUFFER-1 (sinks before, the recent buffer after)
@@ -146,16 +147,6 @@ def run(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[P
     policy = build(name)
     inputs = score_inputs(policy, make_stream(policy.needs, dtype=dtype), seed)
     return policy, inputs, policy.score(inputs)
-
-
-def test_registry_holds_the_29_policies():
-    assert sorted(policy_names()) == sorted([
-        "full", "streaming_llm", "recency", "random", "random_unprotected", "random_shared",
-        "keynorm", "keydiff", "manifoldkv", "valuediff", "valuediff_dir", "valuediff_norm",
-        "kv_key", "kv_val", "lag_kv", "epikv_raw", "epikv",
-        "h2o", "h2o_split", "tova", "snapkv", "r_kv", "r_kv_mean", "vase", "fastcaote", "raas", "longflow",
-        "triattention", "thinkv",
-    ])
 
 
 @pytest.mark.parametrize("name", policy_names())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from evictor.policy import ObserveInputs, ScoreInputs, get_policy
+from evictor.policies import get_policy
 from models.hooks import capture, hook_name
-from probes.signals.hidden import RollingStats, band_score, hidden_diffs
-from probes.signals.kv import head_dim_variance, lag_normalised_variance
+from scoring.policy import ObserveInputs, ScoreInputs
+from signals.hidden import RollingStats, band_score, hidden_diffs
+from signals.kv import head_dim_variance, lag_normalised_variance
 
 PROMPT = "Let x = 3. Then 2x + 1 = "
 DECODE_STEPS = 3

@@ -11,10 +11,10 @@ import torch
 
 from evictor.engine import EvictionEngine
 from evictor.instrument import kept_positions
-from evictor.policy import get_policy
+from evictor.policies import get_policy
 from evictor.protocol import PRESETS, EvictionConfig, resolve_protocol, sequence_budgets
 from evictor.run import main as run_main
-from probes.signals.attention import group_max_probabilities
+from signals.attention import group_max_probabilities
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

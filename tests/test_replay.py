@@ -167,7 +167,7 @@ def test_cli_writes_one_signal_record_per_trace_and_resumes(traces_file, tmp_pat
 def test_all_is_every_scoring_policy_but_uncalibrated_ones(calibrations, tmp_path, capsys):
     policies = chosen_policies("all", [])
     assert list(policies) == [name for name in SCORED if name not in ("triattention", "thinkv")]
-    assert "--policies all leaves out triattention, thinkv" in capsys.readouterr().err
+    assert "--policies all leaves out thinkv, triattention" in capsys.readouterr().err
     config = tmp_path / "tri.json"
     config.write_text(json.dumps({"policy": "triattention", "params": calibrations["triattention"]}))
     assert chosen_policies("all", [str(config)])["triattention"] == calibrations["triattention"]  # the file's params

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from probes.signals import attention as att
+from signals import attention as att
 
 # 3 queries (oldest first) over 4 keys, each row a distribution
 A = torch.tensor([

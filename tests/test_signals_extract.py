@@ -11,15 +11,10 @@ import torch
 from core.errors import UsageError
 from models.hooks import capture
 from models.tiny import tiny_model
-from probes.signals import kv as kv_scores
-from probes.signals.extract import (
-    DEFAULT_SIGNALS,
-    SIGNALS,
-    resolve_layers,
-    stream_signals,
-    teacher_forced_signals,
-)
-from probes.signals.hidden import hidden_diffs, hidden_state_name
+from signals import SIGNALS, default_signals
+from signals import kv as kv_scores
+from signals.extract import resolve_layers, stream_signals, teacher_forced_signals
+from signals.hidden import hidden_diffs, hidden_state_name
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,7 +56,7 @@ def test_streaming_equals_teacher_forced_for_every_signal(family, kernel):
 
 def test_teacher_forced_definitions_on_a_tiny_model(tiny_llama):
     ids = list(range(30, 50))
-    got = teacher_forced_signals(tiny_llama, ids, [0, 2], DEFAULT_SIGNALS)
+    got = teacher_forced_signals(tiny_llama, ids, [0, 2], default_signals())
     model = tiny_llama.model
     names = [hidden_state_name(2), "blocks.2.attn.hook_cache_k", "blocks.2.attn.hook_cache_v"]
     from transformers import DynamicCache
@@ -101,16 +96,16 @@ def test_attention_signals_by_hand(tiny_llama):
 
 def test_kv_signals_are_causal_when_tokens_are_appended(tiny_llama):
     ids = list(range(30, 70))
-    full = teacher_forced_signals(tiny_llama, ids, [3], DEFAULT_SIGNALS)
-    part = teacher_forced_signals(tiny_llama, ids[:25], [3], DEFAULT_SIGNALS)
-    for signal in DEFAULT_SIGNALS:
+    full = teacher_forced_signals(tiny_llama, ids, [3], default_signals())
+    part = teacher_forced_signals(tiny_llama, ids[:25], [3], default_signals())
+    for signal in default_signals():
         assert torch.allclose(part[signal][3], full[signal][3][:, :25], atol=1e-5, equal_nan=True), signal
 
 
 @pytest.mark.realmodel
 def test_smollm2_streaming_hidden_diff_equals_teacher_forced(smollm2):
     """fp32 SmolLM2: g_l from the decode loop vs one forward, all layers; tolerance 1e-4 relative (measured 1.5e-6)."""
-    from tasks.datasets import Problem
+    from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
     prompt = build_prompt_ids(smollm2.tokenizer, Problem("p", "What is 2 + 3?", "5", "gsm8k"))
@@ -137,7 +132,7 @@ def _cli_argv(traces, tiny_dir, out, *extra):
 
 def test_cli_writes_signals_and_resumes(tmp_path, tiny_dir, tiny_traces):
     from core.schemas import Signal
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     out = tmp_path / "signals.jsonl"
     argv = _cli_argv(tiny_traces, tiny_dir, out, "--bands", "1,3")
@@ -167,7 +162,7 @@ def test_cli_writes_signals_and_resumes(tmp_path, tiny_dir, tiny_traces):
 
 
 def test_cli_reruns_with_other_settings_exit_2_naming_the_setting(tmp_path, tiny_dir, tiny_traces, capsys):
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     out = tmp_path / "signals.jsonl"
     assert main(_cli_argv(tiny_traces, tiny_dir, out)) == 0
@@ -191,7 +186,7 @@ def test_cli_reruns_with_other_settings_exit_2_naming_the_setting(tmp_path, tiny
 
 
 def test_cli_resumes_a_file_of_records_keyed_by_trace_id(tmp_path, tiny_dir, tiny_traces):
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     out = tmp_path / "signals.jsonl"
     old = {"trace_id": "t0", "model": str(tiny_dir), "n_tokens": 1, "n_prompt": 1, "positions": [0],
@@ -203,7 +198,7 @@ def test_cli_resumes_a_file_of_records_keyed_by_trace_id(tmp_path, tiny_dir, tin
 
 def test_cli_second_concurrent_run_exits_2_at_once(tmp_path, tiny_dir, tiny_traces, capsys, monkeypatch):
     import models.loading
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     argv = _cli_argv(tiny_traces, tiny_dir, tmp_path / "signals.jsonl")
     real_load = models.loading.load_model
@@ -223,7 +218,7 @@ def test_cli_second_concurrent_run_exits_2_at_once(tmp_path, tiny_dir, tiny_trac
 
 def test_cli_out_that_is_a_directory_or_below_a_file_exits_2_writing_nothing(tmp_path, tiny_dir, tiny_traces,
                                                                            capsys):
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     file = tmp_path / "taken.jsonl"
     file.write_text("keep me\n")
@@ -237,7 +232,7 @@ def test_cli_out_that_is_a_directory_or_below_a_file_exits_2_writing_nothing(tmp
 
 
 def test_cli_bad_input_exits_2_without_output(tmp_path, tiny_dir, tiny_traces, capsys):
-    from probes.signals.__main__ import main
+    from signals.__main__ import main
 
     out = tmp_path / "x" / "signals.jsonl"
     base = ["--traces", str(tiny_traces), "--model", str(tiny_dir), "--out", str(out)]

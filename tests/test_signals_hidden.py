@@ -9,10 +9,11 @@ import torch
 
 from core.errors import UsageError
 from models.hooks import capture
-from probes.signals.hidden import (
+from signals.extract import SignalStream
+from signals.hidden import (
     EMA,
     BandScore,
-    HiddenDiffStream,
+    HiddenDiff,
     RollingStats,
     Smoother,
     band_difference,
@@ -164,8 +165,8 @@ def test_hidden_diff_stream_over_prefill_and_decode_matches_one_block(tiny_llama
 
     model = tiny_llama.model
     ids = torch.arange(20, 32)[None]
-    stream = HiddenDiffStream([1, 3])
-    with torch.no_grad(), capture(model, stream.names, callback=stream.callback):
+    stream = SignalStream(model, [1, 3], ["hidden_diff"])
+    with torch.no_grad(), stream.attached():
         cache = DynamicCache(config=model.config)
         model(input_ids=ids[:, :5], cache=cache, use_cache=True)
         for t in range(5, ids.shape[1]):
@@ -174,7 +175,7 @@ def test_hidden_diff_stream_over_prefill_and_decode_matches_one_block(tiny_llama
         hidden_states = model(input_ids=ids, output_hidden_states=True).hidden_states
     for layer in (1, 3):
         expected = hidden_diffs(hidden_states[layer])  # EpiKV's h_l: output_hidden_states[l] = input of block l
-        got = stream.diffs(layer)
+        got = stream.result()["hidden_diff"][layer]
         assert got.shape == (1, 12)
         assert torch.allclose(got, expected, atol=1e-5, equal_nan=True)
         assert math.isnan(got[0, 0]) and bool(torch.isfinite(got[0, 1:]).all())
@@ -186,8 +187,9 @@ def test_hidden_state_hook_is_resid_pre_unless_told(tiny_llama):
     with pytest.raises(UsageError, match="hook_resid_pre"):
         hidden_state_name(10, "hook_resid_mid")
     ids = torch.arange(20, 28)[None]
-    post = HiddenDiffStream([1], hook="hook_resid_post")
-    with torch.no_grad(), capture(tiny_llama.model, post.names, callback=post.callback):
+    post = HiddenDiff()  # the signal takes whichever h_l it is fed: here block 1's output
+    with torch.no_grad(), capture(tiny_llama.model, [hidden_state_name(1, "hook_resid_post")],
+                                  callback=lambda name, hidden: post.add(hidden)):
         hidden_states = tiny_llama.model(input_ids=ids, output_hidden_states=True).hidden_states
     # the block's output is the next block's input: one layer deeper than h_l
-    assert torch.allclose(post.diffs(1), hidden_diffs(hidden_states[2]), atol=1e-5, equal_nan=True)
+    assert torch.allclose(post.result(), hidden_diffs(hidden_states[2]), atol=1e-5, equal_nan=True)

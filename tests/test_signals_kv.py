@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from probes.signals.kv import (
+from signals.kv import (
     LagNormaliser,
     cosine_distance_to_mean,
     cosine_to_mean,

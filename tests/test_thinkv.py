@@ -15,6 +15,7 @@ from core.errors import UsageError
 from evictor.calibration.thinkv import attention_sparsity, kde_thresholds, rolling_means, token_sparsity
 from evictor.engine import EvictionEngine
 from evictor.instrument import kept_positions
+from evictor.policies import get_policy
 from evictor.policies.thinkv import (
     SPARSITY,
     UNCLASSIFIED,
@@ -24,8 +25,8 @@ from evictor.policies.thinkv import (
     segment_ids,
     thinkv_scores,
 )
-from evictor.policy import ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig
+from scoring.policy import ScoreInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,11 +14,12 @@ from core.schemas import Trace
 from evictor.calibrate import main as calibrate_main
 from evictor.engine import EvictionEngine
 from evictor.instrument import kept_positions
+from evictor.policies import get_policy
 from evictor.policies.__main__ import main as policies_main
 from evictor.policies.triattention import geometric_offsets, group_max_of_zscores, triattention_scores
-from evictor.policy import ScoreInputs, get_policy
 from evictor.protocol import EvictionConfig
 from models.hooks import capture, hook_name
+from scoring.policy import ScoreInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -37,14 +37,14 @@ def _signal(trace_id: str, positions, signals: dict, smoothing: str, window: int
 
 def _layer_data(tmp_path: Path, n_traces: int = 20, tokens: int = 80, signal_ids=None, strength: float = 3.0,
                 incorrect_every: int = 0, undefined_first: bool = False):
-    """Labels and two probes.signals files (rolling mean and rolling z, window 64) with Band A = layers 1-3
+    """Labels and two `python -m signals` files (rolling mean and rolling z, window 64) with Band A = layers 1-3
     (positive), Band B = 5-6 (negative) in hidden_diff, and a layerless h2o score in the mean file.
 
     The raw (mean64) signals carry a within-trace positional trend that the detrended (z64) ones lack, falling in
     the early band and rising in the late one (EpiKV §3.2), so the trends add up in the raw combined score and the
     detrended combined score ranks better. Every `incorrect_every`-th trace is marked answered incorrectly (labels
     made with labeling.occlusion --include-incorrect); `undefined_first` writes null at the first reasoning position
-    of layer 0, as probes.signals does for hidden_diff at a trace's first position.
+    of layer 0, as `python -m signals` does for hidden_diff at a trace's first position.
     """
     rng = np.random.default_rng(0)
     labels, means, zs = [], [], []

@@ -1,4 +1,4 @@
-"""validation.select: ranking (scorer, layer) pairs of probes.signals and evictor.replay files against occlusion
+"""validation.select: ranking (scorer, layer) pairs of `python -m signals` and evictor.replay files against occlusion
 labels, choosing the best scorers a policy computes, and writing configurations that evictor.run runs unchanged."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_without_hidden_diff_only_policies_are_ranked_and_bad_input_is_one_line(
 
 def test_traces_replay_select_and_sweep_compose_on_the_tiny_model(tmp_path, tiny_dir, one_thread):
     """The library path the study takes, each stage reading what the one before it returned or wrote: dense traces
-    (tasks.run) -> replayed scores (evictor.replay) and per-layer signals (probes.signals) -> selection against labels
+    (tasks.run) -> replayed scores (evictor.replay) and per-layer signals (signals.traces) -> selection against labels
     aligned to the traces -> the chosen configuration, read back from its file, runs in evictor.run's sweep."""
     from core.cli import write_json
     from core.schemas import Label, Signal, as_json, read_records
@@ -143,7 +143,7 @@ def test_traces_replay_select_and_sweep_compose_on_the_tiny_model(tmp_path, tiny
     from evictor.replay import ReplayConfig, build_engines, replay_signals
     from evictor.run import SweepConfig, run_sweep
     from models.loading import load_model
-    from probes.signals.__main__ import SignalsConfig, trace_signals
+    from signals.traces import SignalsConfig, trace_signals
     from tasks.run import GenerationConfig, generate_traces
     from validation.layers import LayersConfig
     from validation.signals import load_aligned

@@ -164,7 +164,7 @@ def test_labels_use_every_labelled_trace_unless_correct_only(tmp_path):
 
 
 def test_probes_signals_layout_and_merging_files(tmp_path):
-    # probes.signals writes {signal: {layer: [...]}}, its smoothing and window; null where undefined.
+    # `python -m signals` writes {signal: {layer: [...]}}, its smoothing and window; null where undefined.
     mean = _write_jsonl(tmp_path / "mean.jsonl", [
         _signal("a", [0, 1, 2, 3], {"hidden_diff": {"0": [None, 1.0, 2.0, 3.0], "2": [None, 4.0, 5.0, 6.0]}},
                 smoothing="mean", window=64)])

@@ -1,5 +1,5 @@
 """Statistics that validate eviction signals and compare policies (numpy/scipy; no model, evictor or figures; the
-band combination is the one `probes.signals.hidden` defines).
+band combination is the one `signals.hidden` defines).
 
 - `validation.stats`: Spearman rho, the Fisher-z mean of per-trace rho with its Fisher-z, t and bootstrap intervals on
   n_eff traces, multiple-comparison correction, Wilson, t and percentile intervals, the bootstrap over units, a

@@ -136,12 +136,12 @@ def combined_score(
     values: np.ndarray, layer_columns: dict[int, int], positive: Sequence[int], negative: Sequence[int]
 ) -> np.ndarray:
     """s = mean of the positive layers' columns - mean of the negative layers' columns ([T] from values [T, S]), by
-    the band combination the policies and probes.signals use (`probes.signals.hidden.band_difference`).
+    the band combination the policies and the signals use (`signals.hidden.band_difference`).
 
     `layer_columns` maps a layer index to its column in `values`. An empty side contributes 0.
     """
     # imported here: it brings torch, which the CLIs' argument checks do not need
-    from probes.signals.hidden import band_difference
+    from signals.hidden import band_difference
 
     missing = [l for l in (*positive, *negative) if l not in layer_columns]
     if missing:

@@ -150,7 +150,7 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of a `LayersConfig` (read back with `config_from_args`): the inputs, the statistics, the bands."""
     parser.add_argument("--labels", required=True, help="occlusion labels JSONL (labeling.occlusion output)")
     parser.add_argument("--signals", required=True, nargs="+", metavar="FILE",
-                        help="signal records JSONL (probes.signals output, or a policy's replayed scores); several "
+                        help="signal records JSONL (python -m signals output, or a policy's replayed scores); several "
                         "files (e.g. one per smoothing) are merged by trace id and position")
     parser.add_argument("--correct-only", action="store_true",
                         help="use only the traces the model answered correctly (EpiKV's protocol, §3.4). Default: "
@@ -193,7 +193,7 @@ def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="bootstrap random seed (default 0)")
     parser.add_argument("--window", type=positive_int,
                         help="rolling window written into the policy (default: the window in the scored transform's "
-                        f"name, e.g. z64 -> 64, which probes.signals records; else {DEFAULT_WINDOW})")
+                        f"name, e.g. z64 -> 64, which python -m signals records; else {DEFAULT_WINDOW})")
 
 
 def _pick(kind: str, given: str | None, options: list[str], flag: str) -> str | None:
@@ -430,7 +430,7 @@ def _print_summary(result: LayersResult, config: LayersConfig, out) -> None:
         else:
             print(f"  no policy configuration: the epikv policies score with a rolling mean (epikv_raw) or rolling "
                   f"z-score (epikv) of {BAND_POLICY_SIGNAL}, and neither is among the signals; validate signals made "
-                  "with probes.signals --smoothing mean and --smoothing z", file=out)
+                  "with python -m signals --smoothing mean and --smoothing z", file=out)
     if result.policy:
         params = result.policy["params"]
         print(f"policy {result.policy['policy']}: positive {params['positive_layers']} negative "

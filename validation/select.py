@@ -171,10 +171,10 @@ def _print_summary(selection: Selection, config: SelectConfig, out, shown: int =
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m validation.select",
-        description="Rank every (scorer, layer) pair of signal files (probes.signals, evictor.replay) by within-trace "
-        "Spearman rho with occlusion labels (Fisher-z mean, n_eff = traces, t-interval over traces), find EpiKV's "
-        "bands in hidden_diff, and write a runnable evictor.run --policy-config file for each of the best scorers a "
-        "policy computes.",
+        description="Rank every (scorer, layer) pair of signal files (python -m signals, evictor.replay) by "
+        "within-trace Spearman rho with occlusion labels (Fisher-z mean, n_eff = traces, t-interval over traces), find "
+        "EpiKV's bands in hidden_diff, and write a runnable evictor.run --policy-config file for each of the best "
+        "scorers a policy computes.",
     )
     add_analysis_arguments(parser)
     parser.add_argument("--top", type=positive_int, default=DEFAULT_TOP,

@@ -1,7 +1,7 @@
 """Reading occlusion labels and per-token signals, aligning them by trace and position, and naming signals.
 
 Both files are read through their `core.schemas` record: labels are `Label` records (`labeling.occlusion`), signals
-are `Signal` records (`probes.signals`, or a policy's scores replayed by the evictor); one `id` per trace, the same
+are `Signal` records (`python -m signals`, or a policy's scores replayed by the evictor); one `id` per trace, the same
 in both (older files keyed by ``trace_id`` still read).
 
 Labels: `labels[i]` is the occlusion label of absolute position `positions[i]` (EpiKV §3.4, Appendix 8). Only

@@ -25,8 +25,8 @@ import torch
 
 from core.errors import UsageError
 from core.schemas import Trace, read_records
-from evictor.policy import Policy
 from models.hooks import decoder_layers
+from scoring.policy import Policy
 
 VERSION = 1
 

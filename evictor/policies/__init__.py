@@ -1,11 +1,16 @@
-"""The built-in eviction policies; importing this package registers all of them (`python -m evictor.policies`).
+"""The eviction policies and their registry (`python -m evictor.policies` lists them).
 
-Modules are imported in listing order: score-free baselines, key/value geometry, EpiKV, attention-requiring.
+Every public module of this package defines some policies (`scoring.policy.Policy` subclasses) with
+``@register_policy("name")``; `POLICIES` imports them all the first time it is read, so adding a policy is adding a
+module (or a class to one) and nothing else. Policies are listed by module name, then in definition order.
 """
 
-from evictor.policies import baselines  # noqa: F401, I001  (each module registers its policies on import)
-from evictor.policies import geometry  # noqa: F401
-from evictor.policies import epikv  # noqa: F401
-from evictor.policies import attention  # noqa: F401
-from evictor.policies import triattention  # noqa: F401
-from evictor.policies import thinkv  # noqa: F401
+from __future__ import annotations
+
+from scoring.policy import Policy
+from scoring.registry import Registry
+
+POLICIES: Registry[Policy] = Registry("policy", __name__)
+register_policy = POLICIES.register
+get_policy = POLICIES.create  # an instance by name; an unknown name is a UsageError with a did-you-mean hint
+policy_names = POLICIES.names

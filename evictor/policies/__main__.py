@@ -14,7 +14,8 @@ from typing import Any
 
 from core.cli import ArgumentParser, main_guard
 from core.errors import unknown_choice
-from evictor.policy import POLICIES, Policy, get_policy, policy_names
+from evictor.policies import POLICIES, get_policy, policy_names
+from scoring.policy import Policy
 
 
 def reads(policy: Policy) -> str:

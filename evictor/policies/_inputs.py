@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from evictor.policy import Policy, ScoreInputs
+from scoring.policy import Policy, ScoreInputs
 
 
 def require(policy: Policy, inputs: Any, *fields: str) -> tuple[torch.Tensor, ...]:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from core.errors import UsageError, unknown_choice
+from evictor.policies import register_policy
 from evictor.policies._inputs import require, uniform
-from evictor.policy import Needs, Policy, ScoreInputs, register_policy
-from probes.signals import attention as att
-from probes.signals.kv import distance_to_mean, rkv_redundancy, value_range
+from scoring.policy import Needs, Policy, ScoreInputs
+from signals import attention as att
+from signals.kv import distance_to_mean, rkv_redundancy, value_range
 
 RANDOM_ATTENTION = "Random Attention notes §3.1 baselines table"
 SCORE_DECIDES = "No protection by default: the score alone decides about the prompt, as in the paper's main grid."
@@ -154,7 +155,7 @@ class RKV(Policy):
     importance = the last `window` (8) queries' attention, each KV head's query group reduced to its maximum logit
     before the softmax, renormalised over the candidates, averaged over the queries, max-pooled over `kernel` (7)
     neighbours; redundancy = softmax over every resident key of its mean cosine to the other resident keys, each
-    key's most recent duplicate (cosine > `threshold`) exempt (`probes.signals.kv.rkv_redundancy`), read at the
+    key's most recent duplicate (cosine > `threshold`) exempt (`signals.kv.rkv_redundancy`), read at the
     candidates. The `window` observation tokens are always kept (`kept_recent`), inside K. lam = 0.1 as the authors
     recommend; Random Attention's tables use lam = 0.5. `r_kv_mean` is the earlier kvscope variant."""
 
@@ -243,7 +244,7 @@ class VaSE(Policy):
     """VaSE: keep the ``n_large = keep // 4`` candidates with the largest value range (the first `sinks` tokens
     forced among them), fill the rest by sampling without replacement proportionally to the observed attention (the
     last `window` = 64 queries' attention renormalised over the candidates, averaged, average-pooled over `kernel`
-    = 5 neighbours), expressed as one score per candidate (`probes.signals.attention.vase_scores`)."""
+    = 5 neighbours), expressed as one score per candidate (`signals.attention.vase_scores`)."""
 
     large_fraction: float = 0.25
     window: int = 64

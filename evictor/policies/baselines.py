@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from evictor.policies import register_policy
 from evictor.policies._inputs import uniform
-from evictor.policy import Policy, ScoreInputs, register_policy
+from scoring.policy import Policy, ScoreInputs
 
 
 @register_policy("full")

@@ -16,17 +16,18 @@ from typing import ClassVar
 import torch
 
 from core.errors import UsageError
+from evictor.policies import register_policy
 from evictor.policies._inputs import broadcast_frozen, require
-from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, register_policy
-from probes.signals.hidden import DEFAULT_HIDDEN_HOOK, BandScore, RollingStats, check_hidden_hook, hidden_diffs
-from probes.signals.kv import DEFAULT_LAG_CHUNK, LagNormaliser, head_dim_variance
+from scoring.policy import DEFAULT_HIDDEN_HOOK, Needs, ObserveInputs, Policy, ScoreInputs
+from signals.hidden import BandScore, RollingStats, check_hidden_hook, hidden_diffs
+from signals.kv import DEFAULT_LAG_CHUNK, LagNormaliser, head_dim_variance
 
 EPIKV = "EpiKV: epiphany-aware KV cache eviction"
 WINDOW = 64  # EpiKV's rolling window w (eq. 1)
 PAPER_DEPTH = 32  # DeepSeek-R1-Distill-Llama-8B, where the bands were measured
 PAPER_BANDS = ((10,), (21,))
 VALIDATE_BANDS = (
-    "python -m probes.signals (hidden_diff at every layer) and python -m labeling.occlusion (labels) on this model's "
+    "python -m signals (hidden_diff at every layer) and python -m labeling.occlusion (labels) on this model's "
     "traces, then python -m validation.layers --labels LABELS --signals SIGNALS --out DIR and "
     "evictor.run --policy-config DIR/policy.json (or the study, which runs these steps)"
 )
@@ -137,7 +138,7 @@ class LagKV(Policy):
 class _HiddenBands(Policy):
     """Band A minus Band B of a causally smoothed hidden-state change, frozen when the token is produced.
 
-    The score is `probes.signals.hidden.BandScore` (the one implementation validation ranks too) fed g_l of each
+    The score is `signals.hidden.BandScore` (the one implementation validation ranks too) fed g_l of each
     band's layers. Layers: `positive_layers` / `negative_layers` (tuples; each band's smoothed g is averaged over its
     layers; one band may be empty, contributing 0). Left unset they are layers 10 and 21 of the paper's 32-layer
     model moved to the same relative depth of an `n_layers`-layer model (`for_depth`, which the engine calls with the
@@ -159,7 +160,7 @@ class _HiddenBands(Policy):
     default_protection = "prompt"
     defined_for = ("prompt",)
     defined_by = "EpiKV footnote 1 and App. 9: the hidden-state and KV-vector families keep the prompt"
-    smoothing: ClassVar[str] = ""  # `probes.signals.hidden.SMOOTHINGS`: "mean" (eq. 1) or "z" (eq. 2)
+    smoothing: ClassVar[str] = ""  # `signals.hidden.SMOOTHINGS`: "mean" (eq. 1) or "z" (eq. 2)
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.n_layers < 1:

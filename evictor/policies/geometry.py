@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from evictor.policies import register_policy
 from evictor.policies._inputs import require
-from evictor.policy import Needs, Policy, ScoreInputs, register_policy
-from probes.signals.kv import cosine_distance_to_mean, cosine_to_mean, distance_to_mean, vector_norm
+from scoring.policy import Needs, Policy, ScoreInputs
+from signals.kv import cosine_distance_to_mean, cosine_to_mean, distance_to_mean, vector_norm
 
 VALUEDIFF = "Park, Choi, Lee, ValueDiff: value-geometric KV cache eviction for sink-suppressed LLMs"
 NO_PROMPT_RULE = (

@@ -24,8 +24,9 @@ import torch
 from core.errors import UsageError
 from evictor.calibration import CalibratedPolicy
 from evictor.calibration.thinkv import DEFAULT_TAU, METHOD, TYPES, ThinKVStats, attention_sparsity, load_thinkv
+from evictor.policies import register_policy
 from evictor.policies._inputs import require
-from evictor.policy import Needs, ScoreInputs, register_policy
+from scoring.policy import Needs, ScoreInputs
 
 DEFAULT_BUDGETS = (64, 32, 8)  # tokens kept per R, E, T segment (EpiKV App. 9)
 UNCLASSIFIED = -1

@@ -34,8 +34,9 @@ import torch
 from core.errors import UsageError, unknown_choice
 from evictor.calibration import CalibratedPolicy
 from evictor.calibration.triattention import METHOD, TriAttentionStats, load_triattention
+from evictor.policies import register_policy
 from evictor.policies._inputs import require
-from evictor.policy import Needs, ScoreInputs, register_policy
+from scoring.policy import Needs, ScoreInputs
 
 MAX_OFFSET = 65536  # the released default (offset_max_length / triattention_frequency_window)
 PRUNINGS = ("per_head", "per_layer_per_head")  # one keep set per KV head for all layers; one per (layer, KV head)

@@ -3,12 +3,19 @@
 Shapes: ``attn [..., queries, keys]`` probabilities (in the engine ``[batch, kv_head, queries, candidates]``, GQA
 group-averaged, queries ordered oldest to newest); per-key results are ``[..., keys]``, per-query ``[..., queries]``.
 Masks ``[..., keys]`` are bool with False on padding slots.
+
+The per-token signals of the attention (`ReceivedAttention`, `LastQueryAttention`, `AttentionEntropy`, at the end)
+read ``blocks.{l}.attn.hook_pattern`` averaged over the query heads. ``h2o`` and ``tova`` read later queries by
+definition, so they are not causal per token.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from scoring.signal import AttentionSignal, CausalSignal, head_mean
+from signals import register_signal
 
 SNAPKV_WINDOW = 32  # FasterDecoding/SnapKV: observation window of 32 queries (init_snapkv's default)
 SNAPKV_KERNEL = 5  # ... pooled with an average over 5 neighbouring keys
@@ -103,7 +110,7 @@ def r_kv_scores(importance: torch.Tensor, redundancy: torch.Tensor, lam: float) 
     """R-KV's final score, ``lam * importance - (1 - lam) * redundancy`` (``R1KV.update_kv``).
 
     Both terms are distributions over the scored keys (pooled attention; a softmax of the redundancy,
-    `probes.signals.kv.rkv_redundancy`), so they share a scale of 1/N and lam weighs them as the authors intend.
+    `signals.kv.rkv_redundancy`), so they share a scale of 1/N and lam weighs them as the authors intend.
     """
     return lam * importance.float() - (1.0 - lam) * redundancy.float()
 
@@ -157,3 +164,48 @@ def vase_scores(
         large = large.scatter(-1, top, True) & mask
     sampled = torch.log(uniform.float()) / weights.float().clamp_min(1e-30)
     return torch.where(large, 1.0 + ranges, sampled)
+
+
+# --- per-token signals -------------------------------------------------------------------------------------------
+@register_signal("h2o")
+class ReceivedAttention(AttentionSignal):
+    """The attention each position received, summed over every query forwarded so far: at the end of a
+    teacher-forced pass, over every later position of the trace (the H2O accumulator without eviction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._received: torch.Tensor | None = None  # [batch, seen]
+
+    def update(self, rows: torch.Tensor) -> None:
+        received = cumulative_attention(self.by_position(rows))
+        if self._received is not None:
+            received[:, : self._received.shape[1]] += self._received
+        self._received = received
+
+    def result(self) -> torch.Tensor:
+        return self._received.cpu()
+
+
+@register_signal("tova")
+class LastQueryAttention(AttentionSignal):
+    """The attention the last forwarded query gives each position (TOVA's score; 0 on a position it does not see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_row: torch.Tensor | None = None  # [batch, seen]
+
+    def update(self, rows: torch.Tensor) -> None:
+        self._last_row = last_query_attention(self.by_position(rows))
+
+    def result(self) -> torch.Tensor:
+        return self._last_row.cpu()
+
+
+@register_signal("attention_entropy")
+class AttentionEntropy(CausalSignal):
+    """The entropy (nats) of position t's own query distribution over the positions it sees."""
+
+    reads = "attention"
+
+    def values(self, probs: torch.Tensor) -> torch.Tensor:
+        return attention_entropy(head_mean(probs))

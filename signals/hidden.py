@@ -2,11 +2,11 @@
 
 Definitions used throughout kvscope:
 
-- ``h_l(t)`` is, by default, the canonical hook ``blocks.{l}.hook_resid_pre`` at position t: the input of decoder
-  layer l, which is HF's ``output_hidden_states[l]`` and so EpiKV's h_l (layer 0 reads the embeddings; the last
-  layer's output is never read). ``hook_resid_post`` (the output of layer l, before any final norm, i.e.
-  ``output_hidden_states[l + 1]``, one layer deeper than the paper's h_l) is the other convention, selectable wherever
-  a hook is taken.
+- ``h_l(t)`` is, by default (`scoring.policy.DEFAULT_HIDDEN_HOOK`), the canonical hook ``blocks.{l}.hook_resid_pre``
+  at position t: the input of decoder layer l, which is HF's ``output_hidden_states[l]`` and so EpiKV's h_l (layer 0
+  reads the embeddings; the last layer's output is never read). ``hook_resid_post`` (the output of layer l, before
+  any final norm, i.e. ``output_hidden_states[l + 1]``, one layer deeper than the paper's h_l) is the other
+  convention, selectable wherever a hook is taken.
 - ``g_l(t) = ||h_l(t) - h_l(t-1)||_2``, computed in float32 whatever the model dtype. Position 0 of a sequence has no
   predecessor: per-position arrays keep it, as NaN, so index i is always token position i.
 - Every smoother is causal: its value at t reads only positions <= t, so a token's score is frozen the step it is
@@ -15,6 +15,7 @@ Definitions used throughout kvscope:
 
 The streaming classes share one interface: ``add(values[batch, new]) -> [batch, new]`` (RollingStats returns a
 (mean, std) pair), ``state_dict()`` and ``load_state_dict()``; feeding a sequence in any chunking gives the same values.
+`HiddenDiff`, at the end, is the per-token signal ``hidden_diff``: g_l of the default h_l, unsmoothed.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ import torch
 
 from core.errors import unknown_choice
 from models.hooks import RESID_HOOKS, hook_name
+from scoring.policy import DEFAULT_HIDDEN_HOOK
+from scoring.signal import CausalSignal
+from signals import register_signal
 
 # EpiKV's two bands: Band A (positive rho) is read at layer 10, Band B (negative rho) at layer 21 (eq. 1).
 DEFAULT_BAND_LAYERS = (10, 21)
 DEFAULT_WINDOW = 64
 DEFAULT_EPS = 1e-6
 SMOOTHINGS = ("raw", "mean", "ema", "z")
-
-
-DEFAULT_HIDDEN_HOOK = "hook_resid_pre"  # EpiKV §3.2: h_l = output_hidden_states[l], the input of block l
 
 
 def check_hidden_hook(hook: str) -> str:
@@ -255,31 +256,18 @@ def band_score(positive: torch.Tensor | Sequence[torch.Tensor], negative: torch.
     return out[0] if one_dim else out
 
 
-class HiddenDiffStream:
-    """Collects g_l for chosen layers from ``models.hooks.capture(..., callback=stream.callback)``, h_l read at
-    `hook` (``hook_resid_pre`` unless told otherwise).
+@register_signal("hidden_diff")
+class HiddenDiff(CausalSignal):
+    """g_l(t) over the positions forwarded so far (position 0 NaN): the last h_l of each forward is kept, so the
+    first position of a decode step is differenced against the previous step, not dropped."""
 
-    Each forward (prefill, then one decode step at a time) contributes its positions; the last h_l is kept so the
-    first position of a decode step is differenced against the previous step, not dropped. Nothing but the last
-    hidden state per layer and the scalar g values is kept.
-    """
+    reads = "hidden"
 
-    def __init__(self, layers: list[int], hook: str = DEFAULT_HIDDEN_HOOK):
-        self.layers = list(layers)
-        self.hook = check_hidden_hook(hook)
-        self._by_name = {hidden_state_name(layer, hook): layer for layer in self.layers}
-        self._last: dict[int, torch.Tensor] = {}  # layer -> [batch, d]
-        self._parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: torch.Tensor | None = None  # [batch, d]
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._by_name)
-
-    def callback(self, name: str, hidden: torch.Tensor) -> None:
-        layer = self._by_name[name]
-        self._parts[layer].append(hidden_diffs(hidden, self._last.get(layer)).cpu())
-        self._last[layer] = hidden[:, -1]
-
-    def diffs(self, layer: int) -> torch.Tensor:
-        """g_l ``[batch, pos]`` for every position forwarded so far (position 0 NaN)."""
-        return torch.cat(self._parts[layer], dim=1)
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        g = hidden_diffs(hidden, self._last)
+        self._last = hidden[:, -1]
+        return g

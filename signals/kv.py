@@ -14,6 +14,9 @@ Which paper score each function is:
 - `head_dim_variance`: EpiKV's KV-key / KV-val statistic (§3.3, before the rolling mean).
 - `value_range`: VaSE's max_j v_ij - min_j v_ij (Random Attention notes §3.1 table).
 - `LagNormaliser` / `lag_normalised_variance`: EpiKV's Lag-KV (§3.3), the causal form of LagKV's normalisation.
+
+The per-token signals of the cache (`KeyNorm` ... `ValueDistanceToMean`, at the end) score each key and value when
+the cache stores it, with these functions, averaged over the KV heads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from scoring.signal import KVSignal
+from signals import register_signal
 
 DEFAULT_LAG_CHUNK = 64
 DEFAULT_EPS = 1e-6
@@ -164,3 +170,96 @@ def lag_normalised_variance(x: torch.Tensor, chunk: int = DEFAULT_LAG_CHUNK, eps
     Position 0 of `x` is the first position of the stream (chunks are counted from it).
     """
     return head_dim_variance(LagNormaliser(chunk, eps).add(x))
+
+
+# --- per-token signals -------------------------------------------------------------------------------------------
+class _RunningMean:
+    """The mean of all vectors seen so far, per position: ``add(x[b, h, new, d]) -> [b, h, new, d]``."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None  # [b, h, d] float64 sum
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        sums = x.double().cumsum(-2)
+        if self.total is not None:
+            sums = sums + self.total[..., None, :]
+        counts = torch.arange(self.count + 1, self.count + x.shape[-2] + 1, device=x.device, dtype=torch.float64)
+        self.total, self.count = sums[..., -1, :], self.count + x.shape[-2]
+        return (sums / counts[:, None]).to(torch.float32)
+
+
+@register_signal("key_norm")
+class KeyNorm(KVSignal):
+    """``||k_t||_2`` of the cached (post-RoPE) key."""
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return vector_norm(keys)
+
+
+@register_signal("key_variance")
+class KeyVariance(KVSignal):
+    """Variance of k_t across the head dimension (EpiKV's KV-key before its rolling mean; smooth it with
+    `signals.hidden.smooth`)."""
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_dim_variance(keys)
+
+
+@register_signal("value_variance")
+class ValueVariance(KVSignal):
+    """Variance of v_t across the head dimension (EpiKV's KV-val before its rolling mean)."""
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_dim_variance(values)
+
+
+@register_signal("lag_key_variance")
+class LagKeyVariance(KVSignal):
+    """`key_variance` after causal lag normalisation (EpiKV's Lag-KV of the keys)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lag = LagNormaliser()
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_dim_variance(self._lag.add(keys))
+
+
+@register_signal("lag_value_variance")
+class LagValueVariance(KVSignal):
+    """`value_variance` after causal lag normalisation (EpiKV's Lag-KV of the values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lag = LagNormaliser()
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_dim_variance(self._lag.add(values))
+
+
+@register_signal("key_cosine_to_mean")
+class KeyCosineToMean(KVSignal):
+    """KeyDiff's 1 - cos(k_t, mean of the keys at positions <= t). The mean is causal (the cache as it is when t
+    enters it), so the score is fixed when the token is produced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mean = _RunningMean()
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        anchor = self._mean.add(keys)  # each position vs its own causal mean: [.., new, 1, d] twice
+        return cosine_distance_to_mean(keys.float()[..., None, :], ref=anchor[..., None, :])[..., 0]
+
+
+@register_signal("value_distance_to_mean")
+class ValueDistanceToMean(KVSignal):
+    """ValueDiff's ||v_t - mean of the values at positions <= t||_2, the mean causal as for `key_cosine_to_mean`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mean = _RunningMean()
+
+    def per_head(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        anchor = self._mean.add(values)
+        return distance_to_mean(values.float()[..., None, :], ref=anchor[..., None, :])[..., 0]

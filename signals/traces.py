@@ -1,36 +1,33 @@
-"""Per-token signals of stored traces: ``python -m probes.signals --traces DIR/generations.jsonl --out signals.jsonl``.
+"""Per-token signals of stored dense traces as `core.schemas.Signal` records: the library of ``python -m signals``.
 
 Each dense trace (``prompt_ids + generated_ids`` of a `tasks.run` or `evictor.run --policy full` record) gets one
-teacher-forced forward and becomes one `core.schemas.Signal` record, ``signals[signal][layer]`` one value per
-position (null where undefined: hidden_diff at position 0), appended to --out as it finishes; rerunning the same
-command resumes. Records with hidden_diff state the residual stream it read (``hidden_hook``: EpiKV's h_l is the input
-of block l, ``hook_resid_pre``), so the band policy `validation.select` configures from them reads the same one.
-Signal definitions: `probes.signals.extract`; smoothings: `probes.signals.hidden`.
+teacher-forced forward (`signals.extract.teacher_forced_signals`) and becomes one record, ``signals[signal][layer]``
+one value per position (null where undefined: hidden_diff at position 0), smoothed per layer, causally
+(`signals.hidden.smooth`). Records with a signal of the residual stream state the stream they read (``hidden_hook``:
+EpiKV's h_l is the input of block l, ``hook_resid_pre``), so the band policy `validation.select` configures from them
+reads the same one; windowed records state their window.
 
---out is a JSONL file. Several signal files may share a directory (one per smoothing, say): each has its own
-resolved configuration ``<stem>.config.json`` and lock ``.<stem>.lock`` beside it. A rerun into an existing --out with
-a setting that changes the records (traces, model, layers, signals, smoothing and its parameters, bands, dtype) is
-refused naming the setting, so records made differently never share a file.
-
-Library: `trace_signals(lm, traces, SignalsConfig(...))` yields the records; the CLI is a thin adapter over it.
+`trace_signals(lm, traces, SignalsConfig(...))` yields the records. The trace and output helpers are shared with the
+stages that read dense traces or write one JSONL file of records (`evictor.replay`, `evictor.calibrate`, the study):
+`read_dense_traces` refuses traces made under eviction, `traces_model` the model they name or one that cannot read
+them, `claim_output` claims a JSONL file as a run directory of its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int
 from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from core.schemas import Signal, Trace, read_records
-from probes.signals.extract import ATTENTION_SIGNALS, DEFAULT_SIGNALS, SIGNALS, check_signals, resolve_layers
-from probes.signals.hidden import DEFAULT_EPS, DEFAULT_HIDDEN_HOOK, DEFAULT_WINDOW, SMOOTHINGS, band_score, smooth
+from scoring.policy import DEFAULT_HIDDEN_HOOK
+from signals import SIGNALS, check_signals, default_signals
+from signals.extract import resolve_layers, teacher_forced_signals
+from signals.hidden import DEFAULT_EPS, DEFAULT_WINDOW, SMOOTHINGS, band_score, smooth
 
 BAND_SMOOTHINGS = ("mean", "z")
 WINDOWED_SMOOTHINGS = ("mean", "z")  # the smoothings that read a trailing window of --window positions
@@ -41,7 +38,7 @@ class SignalsConfig:
     """What each Signal record is computed with; the CLI flags of the same names document each field."""
 
     layers: str | tuple[int, ...] = "all"
-    signals: tuple[str, ...] = DEFAULT_SIGNALS
+    signals: tuple[str, ...] = field(default_factory=default_signals)
     smoothing: str = "raw"
     window: int = DEFAULT_WINDOW
     alpha: float = 0.9
@@ -74,10 +71,11 @@ class SignalsConfig:
         """Every setting a record's values depend on, None where the smoothing does not use it (so changing an
         unused one never refuses a resume, and a used one always does)."""
         z_somewhere = self.smoothing == "z" or (self.bands is not None and self.band_smoothing == "z")
+        reads = {SIGNALS[name].reads for name in check_signals(self.signals)}
         return {
             "layers": self.layers if isinstance(self.layers, str) else sorted(set(self.layers)),
             "signals": list(self.signals),
-            "hidden_hook": DEFAULT_HIDDEN_HOOK if "hidden_diff" in self.signals else None,
+            "hidden_hook": DEFAULT_HIDDEN_HOOK if "hidden" in reads else None,
             "smoothing": self.smoothing,
             "window": self.window if self.smoothing in WINDOWED_SMOOTHINGS or self.bands is not None else None,
             "alpha": self.alpha if self.smoothing == "ema" else None,
@@ -93,8 +91,6 @@ def _json_values(tensor) -> list[float | None]:
 
 def trace_signals(lm, traces: Iterable[Trace], config: SignalsConfig) -> Iterator[Signal]:
     """One Signal record per trace, in order: one teacher-forced forward each, smoothed per layer, causally."""
-    from probes.signals.extract import teacher_forced_signals
-
     config.check()
     layers = config.layer_indices(lm.config.num_hidden_layers)
     # The window travels with windowed records: validation names their columns e.g. "z64", and the policy it
@@ -158,100 +154,3 @@ def claim_output(out: Path, identity: dict[str, Any]) -> RunDir:
             break
     return RunDir(out.parent, identity, config_name=f"{out.stem}.config.json", lock_name=f".{out.stem}.lock",
                   flag=f"--out {out.name!r} in")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m probes.signals",
-                            description="Compute per-token, per-layer signals (hidden-state change, K/V statistics, "
-                            "attention scores) of stored dense traces with one teacher-forced forward each.")
-    parser.add_argument("--traces", required=True,
-                        help="dense trace records (tasks.run or evictor.run --policy full generations.jsonl)")
-    parser.add_argument("--out", required=True,
-                        help="output JSONL file (resumable; <stem>.config.json and a lock are kept beside it)")
-    parser.add_argument("--model", default=None,
-                        help="model to run (registry name, directory, .gguf or hub id); default: the traces' model")
-    parser.add_argument("--layers", default="all", help="'all' (default) or comma-separated layer indices")
-    parser.add_argument("--signals", default=",".join(DEFAULT_SIGNALS),
-                        help=f"comma-separated signals from {', '.join(SIGNALS)} (default: all but the attention "
-                        f"ones, {', '.join(ATTENTION_SIGNALS)}, which recompute every query's attention row)")
-    parser.add_argument("--smoothing", default="raw",
-                        help=f"applied to every signal per layer, causally: {', '.join(SMOOTHINGS)} (default raw); "
-                        "validation.layers configures the epikv policies from a mean file and a z file")
-    parser.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW,
-                        help=f"rolling window for mean / z smoothing and the band score (default {DEFAULT_WINDOW})")
-    parser.add_argument("--alpha", type=float, default=0.9, help="EMA weight on the past, in [0, 1) (default 0.9)")
-    parser.add_argument("--eps", type=float, default=DEFAULT_EPS, help="z-score denominator epsilon (default 1e-6)")
-    parser.add_argument("--bands", default=None,
-                        help="A,B: also write EpiKV's band_score from hidden_diff at layers A and B (eq. 1, or its "
-                        "z version with --band-smoothing z); the two layers are added to --layers")
-    parser.add_argument("--band-smoothing", default="z", help="mean (eq. 1) or z (EpiKV; default)")
-    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N traces")
-    add_device_arguments(parser, dtype_default="float32")
-    return parser
-
-
-def _bands(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        bands = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        bands = ()
-    if len(bands) != 2:
-        raise UsageError(f"--bands {text!r}: give two layers A,B")
-    return bands
-
-
-def _layers(text: str) -> str | tuple[int, ...]:
-    if text == "all":
-        return text
-    try:
-        return tuple(sorted({int(part) for part in text.split(",")}))
-    except ValueError:
-        raise UsageError(f"--layers {text!r}: give 'all' or comma-separated integers") from None
-
-
-def _run(argv: list[str] | None) -> int:
-    from models.loading import model_limits
-
-    args = build_parser().parse_args(argv)
-    bands = _bands(args.bands)
-    signals = tuple(check_signals(s.strip() for s in args.signals.split(",") if s.strip()))
-    if bands is not None and "hidden_diff" not in signals:
-        signals = ("hidden_diff", *signals)
-    config = SignalsConfig(layers=_layers(args.layers), signals=signals, smoothing=args.smoothing,
-                           window=args.window, alpha=args.alpha, eps=args.eps, bands=bands,
-                           band_smoothing=args.band_smoothing)
-    config.check()
-    traces = read_dense_traces(args.traces, args.limit)
-    model_name = traces_model(traces, args.model, f"--traces {args.traces}")
-    limits = model_limits(model_name)
-    limits.check_flags({"--window": args.window})
-    if limits.layers is not None:
-        config.layer_indices(limits.layers)  # a layer the model lacks is refused before it loads
-    out = Path(args.out)
-    identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "dtype": args.dtype,
-                **config.record_settings()}
-    with claim_output(out, identity) as run:
-        from models.loading import load_model
-
-        lm = load_model(model_name, device=args.device, dtype=args.dtype)
-        layers = config.layer_indices(lm.config.num_hidden_layers)
-        run.save_config(layers_measured=layers, limit=args.limit, device=str(lm.device),
-                        loaded_model=lm.describe())
-        store = run.store(out.name, key=lambda record: Signal.from_json(record, str(out)).id)
-        todo = [t for t in traces if t.id not in store]
-
-        from tqdm import tqdm
-
-        for record in tqdm(trace_signals(lm, todo, config), total=len(todo), desc="traces", unit="trace",
-                           file=sys.stderr):
-            store.append(record.to_json())
-    print(f"{len(store.records)} signal records in {out}")
-    return 0
-
-
-main = main_guard(_run)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
