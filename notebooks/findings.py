@@ -408,8 +408,8 @@ kappa = (observed - expected) / (1 - expected)
 changed = where["different"] + where["no_answer"] + where["degenerate"]
 display(Markdown(f"{len(space)} traces, {int(where.values.sum())} windows, {int(changed.sum())} change the answer "
                  f"({int(where['no_answer'].sum())} without an answer); in the first four fifths: "
-                 f"{int(changed.iloc[:4].sum())}. Space against deletion on {len(shared)} traces: kappa {kappa:.3f} per "
-                 "position."))
+                 f"{int(changed.iloc[:4].sum())}. Space against deletion on {len(shared)} traces: kappa "
+                 f"{kappa:.3f} per position."))
 add("occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-0.5B, GSM8K)",
     "–", f"{int(changed.sum())} of {int(where.values.sum())} windows change the answer, "
     f"{int(where['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at the "
