@@ -233,11 +233,10 @@ class Session:
             self.budgets, self.limits, self.recency = SequenceBudgets([_NEVER] * batch, [0] * batch, [0] * batch)
         else:
             if budgets is None:
-                if config.fractional:
-                    raise UsageError(
-                        "a fractional budget must be resolved per prompt (evictor.protocol.resolve_budget)"
-                    )
-                budgets = [int(config.budget)] * batch
+                if config.budget is None:
+                    raise UsageError("this protocol has no budget of its own: give each prompt its K "
+                                     "(a fraction resolves per prompt: evictor.protocol.Budget.resolve)")
+                budgets = [config.budget] * batch
             if len(budgets) != batch:
                 raise UsageError(f"{len(budgets)} budgets for {batch} prompts")
             self.budgets, self.limits, self.recency = engine.sequence_budgets(budgets, self.prompt_lens)

@@ -16,7 +16,7 @@ At an eviction round the resident tokens of one (sequence, layer, KV head) split
   own budget ``K_b`` as given (before `budget_scope` is applied), so a fractional budget, which resolves to a
   different K for every problem, gives every problem EpiKV's ``min(128, K/4)``; `sequence_budgets` returns the
   windows and `plan_round` takes one per sequence. A policy that itself always keeps its newest tokens
-  (`evictor.policy.Policy.kept_recent`: SnapKV's and R-KV's observation windows, H2O's recent share) widens the
+  (`scoring.policy.Policy.kept_recent`: SnapKV's and R-KV's observation windows, H2O's recent share) widens the
   window to cover them whatever the protocol: ``w_b = max(w_b, kept - r)``.
 - **candidates**: everything else. The policy scores them and the top ``K - |protected| - w`` survive.
 
@@ -45,10 +45,13 @@ Triggers (when a round fires for one sequence; ``n`` = its resident tokens after
 Rounds run after a forward, for every layer, on the tokens that forward appended as well (the newest are in the
 buffer). A sequence of a batch that does not trigger keeps everything.
 
-Fractional budgets (`resolve_budget`): ``0 < budget < 1`` means ``ceil(budget * L)`` tokens, where ``L`` is the
-length of the reference generation: the dense (``--policy full``) trace length of the same problem when a
-reference run is given, otherwise ``max_new_tokens``. The prompt is not part of ``L`` (compression factor ~ 1/f of
-the generated trace, as Random Attention reports it) but protected prompt tokens still count inside ``K``.
+Budgets as asked (`Budget`, parsed by `parse_budgets`): K tokens (a whole number >= 2), or a fraction ``f`` in
+(0, 1] of ``L``, the length of the reference generation: the dense (``--policy full``) trace length of the same
+problem when a reference run is given, otherwise ``max_new_tokens``. A fraction resolves per sequence
+(`Budget.resolve`) to ``ceil(f * L)`` tokens, so ``f = 1`` keeps the whole reference length. The prompt is not part
+of ``L`` (compression factor ~ 1/f of the generated trace, as Random Attention reports it) but protected prompt
+tokens still count inside ``K``. Records, summaries and identities write a budget as a number (`Budget.to_json`):
+tokens as an integer (``192``), a fraction as a float (``0.5``, ``1.0``).
 
 Per-paper presets (`PRESETS`, `resolve_protocol`): ``random_attention``, ``epikv``, ``valuediff`` set the trigger,
 buffer, recency window, budget scope, prefill blocks, protection and sampling as each paper states them;
@@ -60,6 +63,7 @@ window of ``min(128, floor(K_b / 4))`` per problem, whatever the budget, fractio
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
@@ -75,17 +79,99 @@ DEFAULT_BUFFER = 64  # Random Attention's r
 DEFAULT_BLOCK = 128  # ValueDiff's B
 DEFAULT_SINKS = 4  # StreamingLLM
 WHOLE_PROMPT = 1 << 30  # a prefill block longer than any prompt: one ordinary prefill, no eviction inside it
+TOKENS, FRACTION = "tokens", "fraction"
+BUDGET_UNITS = (TOKENS, FRACTION)
+NOT_A_BUDGET = ("neither a fraction in (0, 1] of the reference length nor a whole number of tokens >= 2; e.g. "
+                "0.25,0.5 or 256,1024")
+
+
+@dataclass(frozen=True, order=True)
+class Budget:
+    """A cache budget as asked: `amount` tokens (a whole number >= 2), or a fraction `amount` in (0, 1] of the
+    reference length L, whose K differs per sequence (`resolve`). Anything else is a `UsageError`.
+
+    Ordered by amount, so every fraction comes before every token budget. Formats as its amount: ``f"{b:g}"`` is
+    ``0.5`` or ``192``, as cell names write it.
+    """
+
+    amount: int | float
+    unit: str
+
+    def __post_init__(self) -> None:
+        if self.unit not in BUDGET_UNITS:
+            raise unknown_choice("budget unit", str(self.unit), BUDGET_UNITS)
+        amount = self.amount
+        real = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
+        whole = real and (isinstance(amount, numbers.Integral) or float(amount).is_integer())
+        if self.unit == FRACTION and real and 0 < amount <= 1:
+            object.__setattr__(self, "amount", float(amount))
+        elif self.unit == TOKENS and whole and amount >= 2:
+            object.__setattr__(self, "amount", int(amount))
+        else:
+            raise UsageError(f"budget {amount!r} ({self.unit}) is {NOT_A_BUDGET}")
+
+    @property
+    def tokens(self) -> int | None:
+        """K in tokens when it is the same for every sequence; None for a fraction."""
+        return self.amount if self.unit == TOKENS else None
+
+    def resolve(self, reference_length: int) -> int:
+        """K in tokens of a sequence whose reference length is `reference_length`: a token budget as is, a fraction
+        ``f`` as ``ceil(f * reference_length)`` (at least 1)."""
+        if self.unit == TOKENS:
+            return self.amount
+        return max(1, math.ceil(round(self.amount * reference_length, 6)))  # round: 0.3 * 10 must give 3, not 4
+
+    def to_json(self) -> int | float:
+        """The budget as records, summaries and identities write it: an int of tokens or a float fraction."""
+        return self.amount
+
+    def __str__(self) -> str:
+        return str(self.amount)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.amount, spec)
+
+
+def parse_budget(text: str, flag: str = "--budget") -> Budget:
+    """One budget as written on a command line: a number in (0, 1] is a fraction of the reference length (so ``1``
+    is the whole of it, not one token), a whole number >= 2 that many tokens; anything else is a `UsageError` naming
+    `flag` and the valid forms."""
+    part = text.strip()
+    try:
+        value = float(part)
+    except ValueError:
+        raise UsageError(f"{flag} {part!r} is not a number; give fractions in (0, 1] of the reference length (e.g. "
+                         "0.25,0.5) or token budgets (e.g. 256,1024)") from None
+    exact = int(part) if part.isdigit() else value  # a long integer as written, not rounded through a float
+    try:
+        return Budget(exact, FRACTION if value <= 1 else TOKENS)
+    except UsageError:
+        raise UsageError(f"{flag} {part!r} is {NOT_A_BUDGET}") from None
+
+
+def parse_budgets(text: str, flag: str = "--budget") -> tuple[Budget, ...]:
+    """A comma list of budgets (`parse_budget`) in the order given; a budget given twice is refused (each budget is
+    one cell of a sweep)."""
+    budgets: list[Budget] = []
+    for part in str(text).split(","):
+        budget = parse_budget(part, flag)
+        if budget in budgets:
+            raise UsageError(f"{flag} {text!r} gives {part.strip()} twice; give each budget once")
+        budgets.append(budget)
+    return tuple(budgets)
 
 
 @dataclass(frozen=True)
 class EvictionConfig:
     """Protocol knobs with the papers' defaults (see the module docstring for the exact budget semantics).
 
-    `protect=None` takes the policy's `default_protection`; `query_window=None` takes the policy's
-    `Needs.queries_window` (0 = every query since entry, exact under every kernel).
+    `budget` is K in tokens for every sequence, or None when each sequence is given its own (a fraction's K differs
+    per problem: `Budget.resolve`). `protect=None` takes the policy's `default_protection`; `query_window=None` takes
+    the policy's `Needs.queries_window` (0 = every query since entry, exact under every kernel).
     """
 
-    budget: float = 1024
+    budget: int | None = 1024
     buffer: int = DEFAULT_BUFFER
     interval: int | None = None  # decode steps between rounds of the interval trigger; None: the buffer r
     block: int = DEFAULT_BLOCK
@@ -102,10 +188,10 @@ class EvictionConfig:
     keep_log: bool = False
 
     def __post_init__(self) -> None:
-        if not self.budget > 0 or (self.budget >= 1 and self.budget != int(self.budget)):
-            raise UsageError(
-                f"budget must be a positive whole number of tokens or a fraction in (0, 1), got {self.budget}"
-            )
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise UsageError(f"budget must be a positive whole number of tokens K (a fraction resolves per "
+                             f"sequence: Budget.resolve), got {self.budget!r}")
         for name in ("buffer", "recency", "n_sinks"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -136,19 +222,8 @@ class EvictionConfig:
         """Decode steps between two rounds of the interval trigger: `interval`, or the buffer r when unset."""
         return self.buffer if self.interval is None else self.interval
 
-    @property
-    def fractional(self) -> bool:
-        return self.budget < 1
-
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def resolve_budget(budget: float, reference_length: int) -> int:
-    """Tokens of a budget: an integer budget as is, a fraction ``f`` as ``ceil(f * reference_length)`` (>= 1)."""
-    if budget >= 1:
-        return int(budget)
-    return max(1, math.ceil(round(budget * reference_length, 6)))  # round: 0.3 * 10 must give 3, not 4
 
 
 def protection_limit(protect: str, prompt_len: int, n_sinks: int) -> int:

@@ -67,15 +67,9 @@ from core.errors import UsageError
 from core.schemas import Signal, Trace
 from core.seeds import derive_seed
 from evictor.calibration import CalibratedPolicy
-from evictor.policy import (
-    Policy,
-    configured_policy,
-    get_policy,
-    left_out_line,
-    read_policy_configs,
-    select_policies,
-)
-from evictor.protocol import WHOLE_PROMPT, EvictionConfig, resolve_budget
+from evictor.policies import get_policy
+from evictor.policy import configured_policy, left_out_line, read_policy_configs, select_policies
+from evictor.protocol import WHOLE_PROMPT, Budget, EvictionConfig, parse_budget
 from labeling.windows import DEFAULT_TAIL, find_answer_boundary
 from scoring.policy import Policy
 
@@ -91,15 +85,13 @@ def head_key(policy: str, head: int) -> str:
 class ReplayConfig:
     """How the held round is set up (see the module docstring for the replay protocol)."""
 
-    keep: float | None = None  # survivors of the round: tokens, or a fraction of the span; None: every candidate
+    keep: Budget | None = None  # survivors of the round: tokens, or a fraction of the span; None: every candidate
     block: int = WHOLE_PROMPT  # prefill block size (one block by default: rounding as a plain prefill)
     teacher_block: int = 32  # generated tokens per teacher-forced forward (1: one decode step per token)
     query_window: int | None = None  # attention queries kept per slot (None: each policy's own)
     seed: int = 0
     tail: int = DEFAULT_TAIL  # the answer span of a trace with neither </think> nor \boxed{ (as the labels)
 
-        if self.keep is not None and (not self.keep > 0 or (self.keep >= 1 and self.keep != int(self.keep))):
-            raise UsageError(f"keep must be a positive whole number of tokens or a fraction in (0, 1), got {self.keep}")
     def __post_init__(self) -> None:
         if self.block < 1 or self.teacher_block < 1 or self.tail < 0:
             raise UsageError(f"block and teacher_block must be >= 1 and tail >= 0, got {self.block}, "
@@ -114,10 +106,10 @@ class ReplayConfig:
         """``ScoreInputs.keep`` of a round over `span` candidates."""
         if self.keep is None:
             return span
-        return min(span, resolve_budget(self.keep, span))
+        return min(span, self.keep.resolve(span))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "keep": None if self.keep is None else self.keep.to_json()}
 
 
 def replay_scores(engine, prompt_ids: list[int], generated_ids: list[int], answer_start: int, *, keep: int,
@@ -239,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output JSONL file (resumable; <stem>.config.json and a lock are kept beside it)")
     parser.add_argument("--model", default=None,
                         help="model to run (registry name, directory, .gguf or hub id); default: the traces' model")
-    parser.add_argument("--keep", type=float, default=None,
-                        help="survivors of the held round (ScoreInputs.keep, read by VaSE only): tokens, or a "
-                        "fraction of the reasoning span (default: every candidate)")
+    parser.add_argument("--keep", default=None,
+                        help="survivors of the held round (ScoreInputs.keep, read by VaSE only): a whole number of "
+                        "tokens >= 2, or a fraction in (0, 1] of the reasoning span (default: every candidate)")
     parser.add_argument("--block", type=positive_int, default=WHOLE_PROMPT,
                         help="prefill block size (default: the whole prompt in one block)")
     parser.add_argument("--teacher-block", type=positive_int, default=ReplayConfig.teacher_block,
@@ -285,7 +277,8 @@ def _run(argv: list[str] | None) -> int:
 
     args = build_parser().parse_args(argv)
     policies = chosen_policies(args.policies, args.policy_config)
-    config = ReplayConfig(keep=args.keep, block=args.block, teacher_block=args.teacher_block,
+    keep = None if args.keep is None else parse_budget(args.keep, "--keep")
+    config = ReplayConfig(keep=keep, block=args.block, teacher_block=args.teacher_block,
                           query_window=args.query_window, seed=args.seed, tail=args.tail)
     traces = read_dense_traces(args.traces, args.limit)
     model_name = traces_model(traces, args.model, f"--traces {args.traces}")

@@ -60,12 +60,13 @@ from evictor.policy import configured_policy, left_out_line, read_policy_configs
 from evictor.protocol import (
     OVERRIDABLE,
     SAMPLING_FIELDS,
+    Budget,
     EvictionConfig,
     Protocol,
     add_protocol_arguments,
+    parse_budgets,
     protocol_overrides,
     resolve_protocol,
-    resolve_budget,
     token_flags,
 )
 from models.loading import KERNELS
@@ -91,7 +92,7 @@ class SweepConfig:
 
     generation: GenerationConfig
     policies: tuple[str, ...]
-    budgets: tuple[float, ...]  # tokens, or fractions of the reference length
+    budgets: tuple[Budget, ...]  # tokens, or fractions of the reference length
     protocol: str = "custom"
     protocol_settings: dict[str, Any] = field(default_factory=dict)  # explicit settings: they override the preset
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # per policy name (--policy-config)
@@ -100,11 +101,12 @@ class SweepConfig:
     batch_size: int = 1
     keep_log: bool = False
 
-    def protocol_for(self, budget: float | None) -> Protocol:
-        """The resolved protocol of the cell at `budget` (None: a never-evicting cell). Budget-dependent settings
-        (EpiKV's recency window min(128, K/4)) resolve per problem, from each problem's own K."""
+    def protocol_for(self, budget: Budget | None) -> Protocol:
+        """The resolved protocol of the cell at `budget` (None: a never-evicting cell); a fraction leaves the protocol
+        without a K of its own, each problem getting its own. Budget-dependent settings (EpiKV's recency window
+        min(128, K/4)) resolve per problem, from each problem's own K."""
         resolved = resolve_protocol(self.protocol, self.protocol_settings)
-        config = dataclasses.replace(resolved.config, budget=self.budgets[0] if budget is None else budget,
+        config = dataclasses.replace(resolved.config, budget=(self.budgets[0] if budget is None else budget).tokens,
                                      seed=self.generation.seed, keep_log=self.keep_log)
         return dataclasses.replace(resolved, config=config)
 
@@ -137,11 +139,16 @@ class SweepConfig:
 class SweepCell:
     policy: str
     params: dict[str, Any]
-    budget: float | None  # None: the policy never evicts
+    budget: Budget | None  # None: the policy never evicts
 
     @property
     def label(self) -> str:
         return self.policy if self.budget is None else f"{self.policy}-K{self.budget:g}"
+
+    @property
+    def written_budget(self) -> int | float | None:
+        """The budget as records, summary rows and identities write it (`Budget.to_json`); None: never evicts."""
+        return None if self.budget is None else self.budget.to_json()
 
 
 @dataclass(frozen=True)
@@ -174,22 +181,6 @@ class SweepWorker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-def parse_budgets(text: str) -> list[float]:
-    """``"256,512,0.25"`` -> [256, 512, 0.25]; each a positive whole number of tokens or a fraction in (0, 1)."""
-    budgets = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise UsageError(f"--budget {part!r} is not a number (tokens, or a fraction in (0, 1))") from None
-        if not math.isfinite(value) or not value > 0 or (value >= 1 and value != int(value)):
-            raise UsageError(f"--budget {part!r} must be a positive whole number of tokens or a fraction in (0, 1)")
-        if value in budgets:
-            raise UsageError(f"--budget {part!r} is given twice in {text!r}; each budget is one cell")
-        budgets.append((int(part) if part.isdigit() else int(value)) if value >= 1 else value)
-    return budgets
-
-
     p = ArgumentParser(
         prog="python -m evictor.run",
         description="Generate answers with decode-time KV-cache eviction (physical, per KV head), grade them, and "
@@ -223,8 +214,9 @@ def parse_budgets(text: str) -> list[float]:
     p.add_argument(
         "--budget",
         default="1024",
-        help="K per head, tokens; or a fraction f in (0,1) = ceil(f * L) with L the problem's dense trace "
-        "length from --reference (else --max-new-tokens); comma list to sweep (default: 1024)",
+        help="K per head: a whole number of tokens >= 2, or a fraction f in (0, 1] = ceil(f * L) with L the "
+        "problem's dense trace length from --reference (else --max-new-tokens; 1 is the whole L); comma list to "
+        "sweep (default: 1024)",
     )
     p.add_argument(
         "--reference",
@@ -324,7 +316,7 @@ def problem_budgets(
     if cell.budget is None:
         return None
     lengths = [reference[p.id] if reference is not None else max_new_tokens for p in problems]
-    return [resolve_budget(cell.budget, n) for n in lengths]
+    return [cell.budget.resolve(n) for n in lengths]
 
 
 def keep_log_name(problem_id: str) -> str:
@@ -345,7 +337,7 @@ def cell_identity(engine, protocol: Protocol, cell: SweepCell, shared: dict[str,
     """What a cell's records depend on: the shared settings, the policy as configured, the budget, the resolved
     protocol (protection, kernel, query window)."""
     resolved = {k: v for k, v in record_protocol(engine, protocol).items() if k != "seed"}
-    return {**shared, "policy": engine.policy.config(), "budget": cell.budget, "protocol": resolved}
+    return {**shared, "policy": engine.policy.config(), "budget": cell.written_budget, "protocol": resolved}
 
 
 def run_batch(worker: SweepWorker, batch: Batch) -> DecodedBatch:
@@ -396,7 +388,7 @@ def run_batch(worker: SweepWorker, batch: Batch) -> DecodedBatch:
                 },
                 policy=cell.policy,
                 policy_config=engine.policy.config(),
-                budget=cell.budget,
+                budget=cell.written_budget,
                 budget_tokens=seq.budget,
                 protocol=protocol,
                 eviction={
@@ -446,7 +438,7 @@ def summarise_cell(cell: SweepCell, traces: Sequence[Trace], protocol: dict[str,
     return Cell(
         id=cell.label,
         policy=cell.policy,
-        budget=cell.budget,
+        budget=cell.written_budget,
         params=cell.params,
         protocol=protocol,
         ci_lo=lo,
@@ -529,7 +521,7 @@ def _sweep_config(args: argparse.Namespace) -> tuple[SweepConfig, list[str]]:
     config = SweepConfig(
         generation=generation,
         policies=tuple(policies),
-        budgets=tuple(budgets),
+        budgets=budgets,
         protocol=args.protocol,
         protocol_settings=settings,
         policy_params=params,
@@ -556,8 +548,8 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
     config.check()
     generation = config.generation
     limits = generation.limits()
-    for budget in (b for b in config.budgets if b >= 1):
-        limits.check_tokens(f"--budget {budget}", budget, "the cache could never fill, so no cell would evict")
+    for budget in (b for b in config.budgets if b.tokens is not None):
+        limits.check_tokens(f"--budget {budget}", budget.tokens, "the cache could never fill, so no cell would evict")
     limits.check_flags(token_flags(config.protocol_settings))
     cells = sweep_cells(config)  # an unknown --policy-config parameter is refused before --out is claimed
     reference = reference_lengths(config.reference, generation.model) if config.reference is not None else None

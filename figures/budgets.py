@@ -48,8 +48,9 @@ def dodged(budgets: pd.Series, index: int, count: int) -> np.ndarray:
 def budget_axis(ax, budgets) -> None:
     """Log2 budget axis with a tick at each budget, labelled in plain tokens (or fractions, see below)."""
     ticks = sorted(set(float(b) for b in budgets))
-    # evictor.protocol reads a budget in (0, 1) as a fraction of each problem's reference length, not a token count.
-    unit = "fraction of the reference length" if ticks[-1] < 1 else "tokens"
+    # A budget written as a number in (0, 1] is a fraction of each problem's reference length, one >= 2 a token count
+    # (evictor.protocol.Budget).
+    unit = "fraction of the reference length" if ticks[-1] <= 1 else "tokens"
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())

@@ -47,13 +47,14 @@ fig_dir = out / "figures"
 
 # %%
 from core.schemas import as_json
+from evictor.protocol import TOKENS, Budget
 from evictor.run import SweepConfig, run_sweep
 from tasks.run import GenerationConfig
 
 sweep_dir = out / "sweep"
 generation = GenerationConfig(dataset=dataset, model=model, data_file=data_file, limit=limit,
                               max_new_tokens=max_new_tokens)
-sweep = SweepConfig(generation, policies=("full", *policies), budgets=tuple(budgets),
+sweep = SweepConfig(generation, policies=("full", *policies), budgets=tuple(Budget(k, TOKENS) for k in budgets),
                     protocol_settings={"budget_scope": "trace", "buffer": buffer, "protect": protect},
                     batch_size=batch_size)
 cells = run_sweep(sweep, sweep_dir, quiet=True)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evictor.protocol import TOKENS, Budget
 from evictor.run import SweepConfig, run_sweep
 from figures.notebook import prepare, show
 from geometry.survey import SurveyConfig, run_survey
@@ -74,7 +75,7 @@ gaps = []
 for name in models:
     generation = GenerationConfig(dataset=dataset, model=name, data_file=data_file, limit=limit,
                                   max_new_tokens=max_new_tokens)
-    sweep = SweepConfig(generation, policies=("valuediff", "keydiff"), budgets=(gap_budget,),
+    sweep = SweepConfig(generation, policies=("valuediff", "keydiff"), budgets=(Budget(gap_budget, TOKENS),),
                         protocol_settings={"budget_scope": "trace", "buffer": buffer, "protect": protect},
                         batch_size=limit)
     cells = {cell.policy: cell for cell in run_sweep(sweep, out / "gap" / Path(name).name, quiet=True)}

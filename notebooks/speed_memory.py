@@ -56,6 +56,7 @@ fig_dir = out / "figures"
 
 # %%
 from core.schemas import Trace, iter_records
+from evictor.protocol import TOKENS, Budget
 from evictor.run import SweepConfig, run_sweep
 from tasks.run import GenerationConfig
 
@@ -63,7 +64,7 @@ if sweep_dir is None:
     sweep_dir = out / "sweep"
     generation = GenerationConfig(dataset=dataset, model=model, data_file=data_file, limit=limit,
                                   max_new_tokens=max_new_tokens)
-    run_sweep(SweepConfig(generation, policies=("full", *policies), budgets=tuple(budgets),
+    run_sweep(SweepConfig(generation, policies=("full", *policies), budgets=tuple(Budget(k, TOKENS) for k in budgets),
                           protocol_settings={"budget_scope": "trace", "buffer": buffer, "protect": protect},
                           batch_size=1), sweep_dir, quiet=True)
 memory_field = {"cache": "peak_cache_bytes", "process": "peak_memory_bytes"}[memory]

@@ -39,8 +39,8 @@ from study.config import (
     FREE_ANSWER_TOKENS,
     PAPER_DEFAULTS,
     StudyConfig,
-    parse_budgets,
     parse_names,
+    study_budgets,
 )
 from tasks.engines import ENGINES
 from validation.stats import DEFAULT_N_BOOT
@@ -84,9 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--limit problems) instead of generating them")
     parser.add_argument("--budget", required=True,
                         help="comma list of cache budgets, each a fraction in (0, 1] of each problem's dense trace "
-                        "length or a whole number of tokens K >= 2 (what K counts is the --protocol's; a fraction of "
-                        "1 keeps the whole dense trace, which the evictor cannot express as a budget: such a budget "
-                        "runs no eviction cell). RULER tasks (ruler_*) take tokens only: the prompt is what is "
+                        "length (1: K is the whole dense trace) or a whole number of tokens K >= 2 (what K counts is "
+                        "the --protocol's). RULER tasks (ruler_*) take tokens only: the prompt is what is "
                         "compressed, and they skip labelling, signals and selection (their answer has no reasoning "
                         "span), so the study measures accuracy against compression")
     labels = parser.add_argument_group("occlusion labels (labeling.occlusion)")
@@ -167,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return StudyConfig(
-        dataset=args.dataset, budgets=parse_budgets(args.budget), model=args.model, data_file=args.data_file,
+        dataset=args.dataset, budgets=study_budgets(args.budget), model=args.model, data_file=args.data_file,
         limit=args.limit, max_new_tokens=args.max_new_tokens, traces=args.traces,
         include_incorrect=args.include_incorrect, engine=args.engine, window=args.window, stride=args.stride,
         replacement=args.replacement, max_answer_tokens=args.max_answer_tokens, tail=args.tail,

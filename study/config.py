@@ -20,6 +20,9 @@ from models.registry import DEFAULT_MODEL
 from signals.hidden import DEFAULT_WINDOW
 from validation.stats import DEFAULT_N_BOOT
 
+if TYPE_CHECKING:
+    from evictor.protocol import Budget
+
 # The paper whose claim each default policy carries (EpiKV, ValueDiff, Random Attention), and the baselines every
 # study runs beside them: full attention (the ceiling), random with the prompt kept (the null every scored policy must
 # beat) and recency with the prompt kept.
@@ -47,33 +50,13 @@ COMPARE_N_BOOT = 10_000
 EVICT_PROBLEMS = ("all", "labelled")
 
 
-def parse_budgets(text: str) -> tuple[float, ...]:
-    """``"0.25,0.5"`` -> (0.25, 0.5): fractions in (0, 1] of each problem's dense trace length; ``"256,1024"`` ->
-    (256, 1024): K in tokens (integers >= 2, the evictor's own budgets; what K counts is the protocol's)."""
-    budgets = []
-    for part in (p.strip() for p in str(text).split(",")):
-        try:
-            value = float(part)
-        except ValueError:
-            raise UsageError(f"--budget {part!r} is not a number; give fractions in (0, 1] of each problem's dense "
-                             "trace length (e.g. 0.25,0.5) or token budgets (e.g. 256,1024)") from None
-        if math.isfinite(value) and value > 1 and value.is_integer():
-            budget = int(part) if part.isdigit() else int(value)  # exactly as written, not rounded through a float
-        elif math.isfinite(value) and 0 < value <= 1:
-            budget = value
-        else:
-            raise UsageError(f"--budget {part!r} is neither a fraction in (0, 1] of each problem's dense trace length "
-                             "nor a whole number of tokens >= 2; e.g. 0.25,0.5 or 256,1024")
-        if budget in budgets:  # a typo more often than a wish: the same cell would be listed twice
-            raise UsageError(f"--budget {text!r} gives {part} twice; give each budget once")
-        budgets.append(budget)
-    return tuple(sorted(budgets))
+def study_budgets(text: str) -> tuple[Budget, ...]:
+    """A study's ``--budget`` list (`evictor.protocol.parse_budgets`: fractions in (0, 1] of each problem's dense
+    trace length, K in tokens >= 2, what K counts being the protocol's), sorted so that a study's stage keys do not
+    depend on the order the budgets are written in."""
+    from evictor.protocol import parse_budgets
 
-
-def evicts(budget: float) -> bool:
-    """Whether a budget runs an eviction cell: every budget but 1, the whole dense trace (which the evictor would
-    read as one token)."""
-    return budget != 1
+    return tuple(sorted(parse_budgets(text)))
 
 
 def is_long_context(dataset: str) -> bool:
@@ -108,7 +91,7 @@ class StudyConfig:
     """Every setting of a study; the CLI flags of the same names document each field."""
 
     dataset: str
-    budgets: tuple[float, ...]
+    budgets: tuple[Budget, ...]  # as `study_budgets` orders them
     model: str = DEFAULT_MODEL
     data_file: str | None = None
     limit: int | None = None
@@ -158,7 +141,7 @@ class StudyConfig:
         if not self.budgets:
             raise UsageError("give at least one --budget fraction")
         if is_long_context(self.dataset):
-            fractions = [b for b in self.budgets if isinstance(b, float)]
+            fractions = [b for b in self.budgets if b.tokens is None]
             if fractions:
                 raise UsageError(f"--budget {','.join(f'{b:g}' for b in fractions)} on {self.dataset}: a RULER task "
                                  "compresses its prompt, so give K in tokens (e.g. 256,1024), not fractions of the "
@@ -204,8 +187,9 @@ class StudyConfig:
         limits.check_flags({"--max-new-tokens": self.max_new_tokens, "--window": self.window,
                             "--max-answer-tokens": self.max_answer_tokens, "--signal-window": self.signal_window})
         for budget in self.budgets:
-            if budget > 1:
-                limits.check_tokens(f"--budget {budget}", budget, "the cache could never fill, so nothing is evicted")
+            if budget.tokens is not None:
+                limits.check_tokens(f"--budget {budget}", budget.tokens,
+                                    "the cache could never fill, so nothing is evicted")
         if self.replacement.isdigit():
             limits.check_token_ids([int(self.replacement)], f"--replacement {self.replacement}")
 
@@ -230,4 +214,4 @@ class StudyConfig:
                                no_answer=self.no_answer, engine=self.engine)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "budgets": [budget.to_json() for budget in self.budgets]}

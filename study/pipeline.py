@@ -1,6 +1,6 @@
 """Run a study: each stage's output kept under a key of its settings and its inputs' keys, reused when unchanged.
 
-    result = run_study(StudyConfig(dataset="gsm8k", budgets=(0.5,), limit=4, ...), "runs/study")
+    result = run_study(StudyConfig(dataset="gsm8k", budgets=study_budgets("0.5"), limit=4, ...), "runs/study")
 
 A stage's directory is ``stages/<stage>-<key>/``; its ``stage.json`` (written when the stage finishes) holds the key,
 the settings and inputs it was computed from, its wall time and its outputs. A rerun of the same command finds every
@@ -30,7 +30,7 @@ from core.rundir import RunDir, source_revision
 from labeling.estimates import estimate_seconds as labelling_seconds
 from labeling.estimates import format_duration
 from study import stages
-from study.config import LONG_CONTEXT_LABELS, StudyConfig, evicts, is_known_answer, is_long_context
+from study.config import LONG_CONTEXT_LABELS, StudyConfig, is_known_answer, is_long_context
 
 STAGES = ("traces", "labels", "agreement", "signals", "selection", "known", "evictor", "compare")
 MARKER = "stage.json"
@@ -111,7 +111,8 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
                     "seed": config.seed, "dtype": config.dtype, "signals": stages.SMOOTHED_SIGNALS},
         "selection": {"top": config.top, "level": config.level, "n_boot": config.n_boot, "seed": config.seed,
                       "family": stages.BAND_FAMILY, "window": config.signal_window},
-        "evictor": {"generation": generation.identity(), "problems": ids, "budgets": list(config.budgets),
+        "evictor": {"generation": generation.identity(), "problems": ids,
+                    "budgets": [budget.to_json() for budget in config.budgets],
                     "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems,
                     **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
         "known": {"level": config.level, "n_boot": config.n_boot, "seed": config.seed},
@@ -149,7 +150,7 @@ def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord
         steps = labelled * (len(config.scorers) + 1) * max(0, length - config.tail)
         return steps * STEP_OVERHEAD / rate / REPLAY_SPEEDUP
     if name == "evictor":
-        cells = 1 + (len(stages.default_configs(config)) - 1 + config.top) * sum(evicts(b) for b in config.budgets)
+        cells = 1 + (len(stages.default_configs(config)) - 1 + config.top) * len(config.budgets)
         evicted = labelled if config.evict_problems == "labelled" and labelled else n_problems
         return cells * evicted * length * STEP_OVERHEAD / rate / config.batch_size ** 0.5
     return 0.0

@@ -23,7 +23,7 @@ from core.cli import atomic_write
 from core.errors import UsageError
 from core.rundir import source_revision
 from study import stages
-from study.config import PAPER_DEFAULTS, REFERENCE, evicts, is_long_context
+from study.config import PAPER_DEFAULTS, REFERENCE, is_long_context
 from validation.report import write_csv, write_json
 
 FIGURES = "figures"
@@ -84,8 +84,8 @@ def interval(row: dict[str, Any], name: str) -> str:
 
 def budgets_text(budgets) -> str:
     """A study's budgets in words: fractions of each problem's dense trace length, K in tokens, or both."""
-    fractions = [f"{b:g}" for b in budgets if isinstance(b, float)]
-    tokens = [str(b) for b in budgets if isinstance(b, int)]
+    fractions = [f"{b:g}" for b in budgets if b.tokens is None]
+    tokens = [str(b) for b in budgets if b.tokens is not None]
     return "; ".join([", ".join(fractions) + " of each problem's dense trace length"] * bool(fractions)
                      + [", ".join(tokens) + " tokens (K)"] * bool(tokens))
 
@@ -369,10 +369,6 @@ def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
              "policies, so a budget means the same cache for each (a fraction f: K = ceil(f × L) for each "
              "problem's dense trace length L; a whole number: K tokens), and a cell's peak cache is the most slots "
              "any KV head held (`max_peak_slots`)."]
-    skipped = [b for b in c.budgets if not evicts(b)]
-    if skipped:
-        lines.append("A budget of 1 (the whole dense trace) has no eviction cell: the evictor reads a budget of 1 as "
-                     "one token.")
     rows = [[r["config"], budget_text(r["budget"]), r["problems"], pct(r["accuracy"]),
              f"[{pct(r['ci_lo'])}, {pct(r['ci_hi'])}]", r["no_answer"], fmt(r["mean_generated"], 1),
              fmt(r["mean_rounds"], 1), fmt(r["max_peak_slots"])] for r in accuracy]
@@ -487,7 +483,7 @@ def reproduce_section(result, summary: dict) -> str:
     evict = ["python", "-m", "evictor.run", "--policy-config", "selection.json", "--model", c.model, "--dataset",
              c.dataset, *(["--data-file", c.data_file] if c.data_file else []),
              *(["--limit", str(c.limit)] if c.limit else []), "--max-new-tokens", str(c.max_new_tokens), "--budget",
-             ",".join(f"{b:g}" for b in c.budgets if evicts(b)) or "0.5", "--reference", result["traces"]["traces"],
+             ",".join(str(b) for b in c.budgets), "--reference", result["traces"]["traces"],
              "--protocol", c.protocol, "--protect", c.protect, "--seed", str(c.seed), "--out", f"rerun-{name}"]
     lines += ["", f"The primary configuration ({name}, the top level of `selection.json`; every other one is in "
               "`configs/`) in the evictor (run in this directory):", "", "```", shlex.join(evict), "```"]
@@ -521,7 +517,7 @@ def known_line(result, comparisons: list[dict]) -> str:
                      f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}], n = {r['n_problems']}"
                      + (", significant)." if r["significant"] else ", not significant)."))
     if not evicted:
-        lines.append("It did not run in the evictor: no budget below 1.")
+        lines.append(f"Evicting by it has no comparison with {REFERENCE} (see the comparisons).")
     return " ".join(lines)
 
 

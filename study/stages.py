@@ -32,7 +32,6 @@ from study.config import (
     PAPER_DEFAULTS,
     REFERENCE,
     StudyConfig,
-    evicts,
     is_known_answer,
 )
 
@@ -423,10 +422,7 @@ def sweeps(config: StudyConfig, selection: Outputs,
     """Sweep name -> its configurations: the baselines and paper defaults (`default_configs`) in one sweep, each
     selected configuration not among them in its own (one sweep holds one configuration per policy name)."""
     defaults = default_configs(config, known)
-    evicting = [b for b in config.budgets if evicts(b)]
-    plan = {BASELINE_SWEEP: defaults if evicting else {"full": defaults["full"]}}
-    if not evicting:
-        return plan
+    plan = {BASELINE_SWEEP: defaults}
     for name, chosen in selection["configs"].items():
         runs_as = ran_as(name, chosen, defaults)
         if runs_as not in defaults:
@@ -453,7 +449,7 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
     generation = generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
     return SweepConfig(generation=dataclasses.replace(generation, problem_ids=problem_ids),
                        policies=tuple(c["policy"] for c in configs.values()),
-                       budgets=tuple(b for b in config.budgets if evicts(b)) or config.budgets,
+                       budgets=config.budgets,
                        protocol=config.protocol, protocol_settings=settings,
                        policy_params={c["policy"]: c["params"] for c in configs.values()},
                        reference=str(reference), batch_size=config.batch_size)
@@ -490,8 +486,6 @@ def compare_stage(config: StudyConfig, evictor: Outputs, paths: Paths) -> Output
     sign test (`validation.compare`), refusing cells of unequal peak cache."""
     from validation.compare import EVERY_POLICY, CompareConfig, compare
 
-    if REFERENCE not in baseline["configs"]:
-        return {"rows": [], "reason": "no budget below 1: nothing was evicted"}
     baseline = evictor["sweeps"][BASELINE_SWEEP]
     pairs = [(BASELINE_SWEEP, policy) for policy in baseline["configs"] if policy != REFERENCE]
     pairs += [(name, EVERY_POLICY) for name in evictor["sweeps"] if name != BASELINE_SWEEP]

@@ -18,8 +18,8 @@ from evictor.cache import position_mask
 from evictor.calibration import CalibratedPolicy
 from evictor.engine import FROZEN, EvictionEngine, select_slots
 from evictor.instrument import kept_positions
-from evictor.policy import Needs, ObserveInputs, Policy, ScoreInputs, get_policy, policy_names
-from evictor.protocol import EvictionConfig, plan_round, resolve_budget, resolve_protocol, sequence_budgets
+from evictor.policies import get_policy, policy_names
+from evictor.protocol import EvictionConfig, plan_round, resolve_protocol, sequence_budgets
 from models.attention import group_mean
 from models.hooks import decoder_layers
 from models.tiny import tiny_model
@@ -176,8 +176,7 @@ def test_kept_positions_by_hand():
     assert kept_positions(log, 1, 0, 1).tolist() == [0, 1, 3, 4, 5, 6]
 
 
-def test_budget_resolution_and_long_prompts():
-    assert resolve_budget(0.25, 1000) == 250 and resolve_budget(0.3, 10) == 3 and resolve_budget(512, 7) == 512
+def test_long_prompts_and_bad_settings():
     config = EvictionConfig(budget=8)
     with pytest.raises(UsageError, match="10 protected tokens"):
         sequence_budgets([8], [10], "prompt", config)
@@ -186,7 +185,8 @@ def test_budget_resolution_and_long_prompts():
     assert sequence_budgets([8], [10], "prompt", EvictionConfig(budget=8, on_long_prompt="sinks")) == ([8], [4], [0])
     trace_scope = EvictionConfig(budget=8, budget_scope="trace", recency=2)
     assert sequence_budgets([8], [10], "prompt", trace_scope) == ([20], [10], [2])
-    for bad in (dict(budget=0), dict(budget=2.5), dict(buffer=0), dict(block=0), dict(trigger="often")):
+    for bad in (dict(budget=0), dict(budget=2.5), dict(budget=0.5), dict(buffer=0), dict(block=0),
+                dict(trigger="often")):
         with pytest.raises(UsageError):
             EvictionConfig(**bad)
 
@@ -194,10 +194,10 @@ def test_budget_resolution_and_long_prompts():
 def test_per_sequence_recency_by_hand():
     # EpiKV: w_b = min(128, floor(K_b / 4)) from each sequence's own K; budget scope "trace" adds prompt + w_b to K_b.
     # K 100 -> w 25, K_b 100 + 10 + 25 = 135; K 1000 -> w 128 (capped), K_b 1000 + 10 + 128 = 1138.
-    epikv = EvictionConfig(budget=0.5, recency=128, recency_share=0.25, budget_scope="trace")
+    epikv = EvictionConfig(budget=None, recency=128, recency_share=0.25, budget_scope="trace")
     assert sequence_budgets([100, 1000], [10, 10], "prompt", epikv) == ([135, 1138], [10, 10], [25, 128])
     # without a share the window is the same fixed w for every sequence
-    fixed = EvictionConfig(budget=0.5, recency=8)
+    fixed = EvictionConfig(budget=None, recency=8)
     assert sequence_budgets([100, 1000], [10, 10], "prompt", fixed).recency == [8, 8]
     # plan_round takes one window per sequence: 20 resident, prompt 2, K 12, no buffer, windows 2 and 6.
     # Sequence 0: candidates 2..17 (16), keeps 12 - 2 - 2 = 8; sequence 1: candidates 2..13 (12), keeps 4.
@@ -753,7 +753,7 @@ def test_bad_setups_are_usage_errors(tiny_llama):
 # --- real model ------------------------------------------------------------------------------------------------------
 @pytest.mark.realmodel
 def test_smollm2_exact_with_large_budget_and_position_correct_after_eviction(smollm2):
-    from tasks.datasets import Problem
+    from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
     prompt = build_prompt_ids(smollm2.tokenizer, Problem("t", "What is 3 + 4?", "7", "gsm8k"))

@@ -253,9 +253,10 @@ def test_accuracy_budget_draws_evictor_cells(tmp_path):
     source = tmp_path / "summary.csv"
     pd.DataFrame([cell.to_json() for cell in cells]).to_csv(source, index=False)
     assert main(["--input", str(source), "--out", str(tmp_path / "figs")]) == 0
-    fractions = pd.DataFrame([c.to_json() for c in cells]).assign(budget=[None, 0.25, 0.5])
-    xlabel = plot_accuracy_vs_budget(fractions).axes[0].get_xlabel()
-    assert xlabel == "KV cache budget (fraction of the reference length)"
+    for largest in (0.5, 1.0):  # the whole reference length is a fraction too
+        fractions = pd.DataFrame([c.to_json() for c in cells]).assign(budget=[None, 0.25, largest])
+        xlabel = plot_accuracy_vs_budget(fractions).axes[0].get_xlabel()
+        assert xlabel == "KV cache budget (fraction of the reference length)"
 
 
 def test_head_sets_draw_probe_rows_and_leave_out_the_dense_run():

@@ -127,6 +127,7 @@ NAMED_VALUES = {
     "policy_config": FILES + ["policy:unknown", "policy:unknown_param", "policy:float_for_int", "policy:array"],
     "runs": ["file:missing", "file:dir", "file:binary"],
     "budget": ["0", "inf", "32,32", "1,,2", "abc", HUGE],
+    "keep": ["0", "2.5", "nan", "abc"],
     "policy": ["bogus", "random,,h2o"],
     "policies": ["bogus", "random,,h2o"],
     "scorers": ["bogus", "full"],

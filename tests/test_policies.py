@@ -19,12 +19,13 @@ from evictor.instrument import kept_positions
 from evictor.policies import get_policy, policy_names
 from evictor.policies.__main__ import main as cli_main
 from evictor.protocol import (
+    FRACTION,
     PRESETS,
+    Budget,
     EvictionConfig,
     Sampling,
     add_protocol_arguments,
     protocol_overrides,
-    resolve_budget,
     resolve_protocol,
     sequence_budgets,
 )
@@ -521,9 +522,9 @@ def test_explicit_settings_override_a_preset_and_bad_ones_are_usage_errors():
         resolve_protocol("epkv")
     with pytest.raises(UsageError, match="protocol setting"):
         resolve_protocol("epikv", {"bufer": 3})
-    fractional = resolve_protocol("epikv", {"budget": 0.25}).config  # each problem gets min(128, K_b / 4)
-    assert (fractional.recency, fractional.recency_share) == (128, 0.25)
-    explicit = resolve_protocol("epikv", {"budget": 0.25, "recency": 8}).config  # a fixed window, not a cap
+    per_problem = resolve_protocol("epikv").config  # each problem gets min(128, K_b / 4), whatever its budget
+    assert (per_problem.recency, per_problem.recency_share) == (128, 0.25)
+    explicit = resolve_protocol("epikv", {"recency": 8}).config  # a fixed window, not a cap
     assert (explicit.recency, explicit.recency_share) == (8, None)
     assert resolve_protocol("epikv", {"recency": 64, "recency_share": 0.5}).config.recency_share == 0.5
     with pytest.raises(UsageError, match="top_p"):
@@ -584,9 +585,9 @@ def test_epikv_protocol_keeps_prompt_recency_and_k_scored_tokens(tiny_llama):
 def test_epikv_protocol_gives_each_problem_of_a_batch_its_own_recency_and_budget(tiny_llama):
     """A fractional budget resolves to a K per problem; with --protocol epikv each problem of one batch (left-padded
     together) gets its own min(128, K/4) window and K."""
-    protocol = resolve_protocol("epikv", {"budget": 0.5, "keep_log": True})
+    protocol = resolve_protocol("epikv", {"keep_log": True})
     prompts = [list(range(20, 30)), list(range(40, 56))]
-    budgets = [resolve_budget(0.5, length) for length in (32, 48)]  # dense lengths 32, 48: K = 16, 24
+    budgets = [Budget(0.5, FRACTION).resolve(length) for length in (32, 48)]  # dense lengths 32, 48: K = 16, 24
     engine = EvictionEngine(tiny_llama, "kv_key", protocol.config)
     sequences = engine.generate(prompts, 60, budgets=budgets, ignore_eos=True).sequences
     for prompt, k, window, sequence in zip(prompts, budgets, (4, 6), sequences):

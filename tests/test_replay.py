@@ -15,8 +15,8 @@ from core.schemas import Signal, Trace, read_records
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
 from evictor.instrument import kept_positions
-from evictor.policy import get_policy, policy_names
-from evictor.protocol import WHOLE_PROMPT, EvictionConfig
+from evictor.policies import get_policy, policy_names
+from evictor.protocol import TOKENS, WHOLE_PROMPT, Budget, EvictionConfig
 from evictor.replay import AGGREGATE, ReplayConfig, chosen_policies, head_key, policy_signals, replay_scores
 from evictor.replay import main as replay_main
 from models.tiny import tiny_model
@@ -91,7 +91,7 @@ def test_replay_scores_equal_a_real_rounds_scores(name, family, peaked, calibrat
         pytest.skip("the calibration files are made on tiny-llama")
     scores, positions, log, engine = real_round(lm, without_own_window(get_policy(name, **params)))
     assert all(torch.equal(row, torch.arange(len(PROMPT), ANSWER_START)) for row in positions)  # the whole span
-    config = ReplayConfig(keep=SPAN - 1)
+    config = ReplayConfig(keep=Budget(SPAN - 1, TOKENS))
     replay_engine = EvictionEngine(lm, without_own_window(get_policy(name, **params)), config.protocol())
     replayed = replay_scores(replay_engine, PROMPT, GENERATED, ANSWER_START, keep=config.survivors(SPAN), seed=SEED)
     assert replayed.shape == (lm.config.num_hidden_layers, lm.config.num_key_value_heads, SPAN)
@@ -181,7 +181,7 @@ def test_cli_refuses_bad_input_in_one_line(traces_file, tmp_path, capsys):
         (["--policies", "full"], "evicts nothing"),
         (["--policies", "triattention"], "python -m evictor.calibrate triattention"),
         ([], "give --policies"),
-        (["--policies", "h2o", "--keep", "2.5"], "keep must be"),
+        (["--policies", "h2o", "--keep", "2.5"], "--keep '2.5' is neither a fraction in (0, 1]"),
         (["--policies", "h2o", "--policy-config", str(tmp_path / "none.json")], "does not exist"),
     ]
     for extra, message in cases:

@@ -277,16 +277,16 @@ def test_reused_traces_must_hold_every_problem_of_the_model(study, tiny_dir, dat
 
 
 def test_a_selected_configuration_runs_beside_the_default_of_its_policy_or_as_the_default_it_equals():
-    from study.config import StudyConfig
+    from study.config import StudyConfig, study_budgets
     from study.stages import BASELINE_SWEEP, sweeps
 
     bands = {"policy": "epikv", "params": {"positive_layers": [1], "negative_layers": [3], "window": 64}}
     selection = {"configs": {"epikv": bands, "valuediff": {"policy": "valuediff", "params": {}}}}
-    plan = sweeps(StudyConfig(dataset="gsm8k", budgets=(0.25, 1.0)), selection)
+    plan = sweeps(StudyConfig(dataset="gsm8k", budgets=study_budgets("0.25,1")), selection)
     assert list(plan) == [BASELINE_SWEEP, "selected-epikv"] and plan["selected-epikv"] == {"selected-epikv": bands}
     assert plan[BASELINE_SWEEP]["epikv"]["params"] == {}  # EpiKV's default still runs, under its own name
-    only_whole = sweeps(StudyConfig(dataset="gsm8k", budgets=(1.0,)), selection)
-    assert list(only_whole) == [BASELINE_SWEEP] and list(only_whole[BASELINE_SWEEP]) == ["full"]
+    # the whole dense trace (K = L) is a budget like any other: every configuration runs at it
+    assert sweeps(StudyConfig(dataset="gsm8k", budgets=study_budgets("1")), selection) == plan
 
 
 def test_the_report_shows_each_scorer_once_at_its_best_layer_and_head():
@@ -301,14 +301,17 @@ def test_the_report_shows_each_scorer_once_at_its_best_layer_and_head():
         "recency.l0.raw", "keydiff.h1.l2.raw", "hidden_diff.l5.mean64", "hidden_diff.l3.z64"]
 
 
-def test_budgets_are_fractions_of_the_dense_trace_or_whole_tokens():
-    from study.config import parse_budgets
+def test_budgets_are_fractions_of_the_dense_trace_or_whole_tokens_in_order():
+    from evictor.protocol import FRACTION, TOKENS, Budget
+    from study.config import study_budgets
 
-    assert parse_budgets("0.5,0.25") == (0.25, 0.5)
+    assert study_budgets("0.5,0.25") == (Budget(0.25, FRACTION), Budget(0.5, FRACTION))
     with pytest.raises(UsageError, match="gives 0.5 twice"):
-        parse_budgets("0.5,0.25,0.5")
-    assert parse_budgets("1024,256") == (256, 1024) and all(isinstance(b, int) for b in parse_budgets("256,1024"))
-    assert parse_budgets("1,0.5") == (0.5, 1.0)
+        study_budgets("0.5,0.25,0.5")
+    assert study_budgets("1024,256") == (Budget(256, TOKENS), Budget(1024, TOKENS))
+    assert study_budgets("256,1,0.5") == (Budget(0.5, FRACTION), Budget(1.0, FRACTION), Budget(256, TOKENS))
+    # as the stage keys of existing study directories hold them
+    assert [b.to_json() for b in study_budgets("1,0.5,192")] == [0.5, 1.0, 192]
 
 
 def test_a_ruler_study_measures_accuracy_against_compression_without_labels(tiny_dir, tmp_path):

@@ -140,6 +140,7 @@ def test_traces_replay_select_and_sweep_compose_on_the_tiny_model(tmp_path, tiny
     from core.cli import write_json
     from core.schemas import Label, Signal, as_json, read_records
     from evictor.policy import read_policy_configs
+    from evictor.protocol import TOKENS, Budget
     from evictor.replay import ReplayConfig, build_engines, replay_signals
     from evictor.run import SweepConfig, run_sweep
     from models.loading import load_model
@@ -187,7 +188,7 @@ def test_traces_replay_select_and_sweep_compose_on_the_tiny_model(tmp_path, tiny
     assert params == {"r_kv": {"lam": 0.5}}  # the replayed parameters, not the policy's defaults
 
     sweep = SweepConfig(dataclasses.replace(generation, limit=2, max_new_tokens=10), policies=tuple(params),
-                        budgets=(24,), policy_params=params,
+                        budgets=(Budget(24, TOKENS),), policy_params=params,
                         protocol_settings={"protect": "sinks", "buffer": 4, "block": 32})
     (cell,) = run_sweep(sweep, tmp_path / "sweep", quiet=True)
     assert (cell.policy, cell.params, cell.problems) == ("r_kv", {"lam": 0.5}, 2) and cell.mean_rounds > 0
