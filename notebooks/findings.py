@@ -417,6 +417,53 @@ add("occlusion labels under a forced answer: where the windows that change the a
     "labels concentrated at the end of the reasoning", "qwen2.5-0.5b-gsm8k-forced")
 
 # %% [markdown]
+# ### E1–E4 and V1 under the forced-answer labels
+#
+# The same statistics as above, from the study re-run on the same traces with the labels of the forced-answer
+# protocol (`results/qwen2.5-0.5b-gsm8k-forced/`), beside the committed study's (Fisher-z intervals in both, as
+# above, and the t-interval on per-trace z where the study has it): the band layers of rolling-mean g_l, the raw
+# signal at the strongest layer, the positional trend the z-score removes, and the deployed scores of H2O, ValueDiff,
+# KeyDiff, recency and EpiKV.
+
+# %%
+def offline_statistics(folder: Path) -> dict:
+    """The offline rows of one study folder (its layers.csv, positional.csv and ranking.csv)."""
+    rows = pd.read_csv(folder / "layers.csv")
+    rows = rows[rows["family"] == "hidden_diff"].assign(layer=lambda t: t["layer"].astype(int))
+    mean = rows[rows["transform"] == f"mean{window}"].set_index("layer").sort_index()
+    raw_g = rows[rows["transform"] == "raw"].set_index("layer").sort_index()
+    z_g = rows[rows["transform"] == f"z{window}"].set_index("layer").sort_index()
+    strongest = mean["within_rho"].abs().idxmax()
+    trend = pd.read_csv(folder / "positional.csv").set_index("layer")
+    trend_row = trend.loc[trend["raw_position_rho"].abs().idxmax()]
+    scores = pd.read_csv(folder / "ranking.csv")
+
+    def score(policy: str) -> str:
+        r = scores[scores["signal"] == f"{policy}.agg.raw"].iloc[0]
+        return f"{r['within_rho']:+.3f} {interval(r['within_lo'], r['within_hi'])}"
+
+    return {
+        "layers with rolling-mean rho > 0 (interval)": str(mean.index[mean["within_lo"] > 0].tolist()),
+        "layers with rolling-mean rho < 0 (interval)": str(mean.index[mean["within_hi"] < 0].tolist()),
+        # The t-interval on per-trace z (the significance interval of studies run since it exists; older ones have
+        # only the Fisher-z interval above).
+        "layers with rho > 0 / < 0 (t-interval)": f"{mean.index[mean['within_t_lo'] > 0].tolist()} / "
+        f"{mean.index[mean['within_t_hi'] < 0].tolist()}" if "within_t_lo" in mean else "–",
+        "strongest layer, rolling-mean rho": f"{strongest}: {mean.loc[strongest, 'within_rho']:+.3f} "
+        f"{interval(mean.loc[strongest, 'within_lo'], mean.loc[strongest, 'within_hi'])}",
+        "raw rho at that layer": f"{raw_g.loc[strongest, 'within_rho']:+.3f}",
+        "best |rho| after the z-score": f"{z_g['within_rho'].abs().max():.3f}",
+        "|position rho| raw -> z (layer)": f"{abs(trend_row['raw_position_rho']):.3f} -> "
+        f"{abs(trend_row['detrended_position_rho']):.3f} ({trend_row.name})",
+        **{f"{policy} rho": score(policy) for policy in ("h2o", "valuediff", "keydiff", "recency", "epikv")},
+    }
+
+
+restated = next((root / "qwen2.5-0.5b-gsm8k-forced" / "stages").glob("selection-*"))  # its selection stage's tables
+display(pd.DataFrame({"earlier labels": offline_statistics(study_dir),
+                      "forced-answer labels": offline_statistics(restated)}))
+
+# %% [markdown]
 # ## The findings table
 
 # %%
