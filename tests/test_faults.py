@@ -61,9 +61,10 @@ JOBS = {
     # 80 tokens: the traces are long enough for the labelling job below to slide windows over
     "tasks.run": Job("tasks.run", (*GREEDY, "--max-new-tokens", "80", "--out", "{out}", "--quiet"),
                      (("generations.jsonl", signal.SIGKILL),)),
-    # SIGKILLed in its first cell; the next run finishes that cell and is interrupted (Ctrl-C) in the second
+    # SIGKILLed in its first cell; the next run finishes that cell and is interrupted (Ctrl-C) in the second, with a
+    # third cell still to come, so the signal cannot arrive after the job is done
     "evictor.run": Job("evictor.run", (*GREEDY, "--max-new-tokens", "24", "--buffer", "4", "--block", "32", "--policy",
-                                       "recency", "--budget", "40,48", "--protect", "sinks", "--out", "{out}",
+                                       "recency", "--budget", "40,48,56", "--protect", "sinks", "--out", "{out}",
                                        "--quiet"),
                        (("recency-K40/generations.jsonl", signal.SIGKILL),
                         ("recency-K48/generations.jsonl", signal.SIGINT))),
