@@ -126,9 +126,9 @@ show(plot_forest(shown, label="signal", value="within_rho", low="within_lo", hig
                  xlabel="within-trace Spearman ρ with occlusion labels"), fig_dir, "scorer_ranking")
 
 
-def deployed(policy: str) -> pd.Series:
-    """The row of a policy's own keep score (its replayed aggregate over layers and heads)."""
-    return ranking[ranking["signal"] == f"{policy}.agg.raw"].iloc[0]
+def deployed(policy: str, table: pd.DataFrame = ranking) -> pd.Series:
+    """The row of a policy's own keep score (its replayed aggregate over layers and heads) in a ranking table."""
+    return table[table["signal"] == f"{policy}.agg.raw"].iloc[0]
 
 
 attention = deployed("h2o")
@@ -439,7 +439,7 @@ def offline_statistics(folder: Path) -> dict:
     scores = pd.read_csv(folder / "ranking.csv")
 
     def score(policy: str) -> str:
-        r = scores[scores["signal"] == f"{policy}.agg.raw"].iloc[0]
+        r = deployed(policy, scores)
         return f"{r['within_rho']:+.3f} {interval(r['within_lo'], r['within_hi'])}"
 
     return {
