@@ -96,8 +96,11 @@ class Process:
     def __init__(self, argv: list[str], log: Path):
         self.log = log
         with open(log, "w") as handle:
+            # A suite started in the background inherits SIGINT ignored, and Python keeps an inherited SIG_IGN: restore
+            # the default so the job sees Ctrl-C as a user's terminal would deliver it.
             self.popen = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=handle, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def wait(self) -> int:
         try:
