@@ -48,7 +48,7 @@ fig_dir = out / "figures"
 # %%
 from core.schemas import as_json
 from evictor.protocol import TOKENS, Budget
-from evictor.run import SweepConfig, run_sweep
+from evictor.sweep import SweepConfig, run_sweep
 from tasks.run import GenerationConfig
 
 sweep_dir = out / "sweep"

@@ -44,7 +44,7 @@ from pathlib import Path
 import pandas as pd
 
 from evictor.protocol import TOKENS, Budget
-from evictor.run import SweepConfig, run_sweep
+from evictor.sweep import SweepConfig, run_sweep
 from figures.notebook import prepare, show
 from geometry.survey import SurveyConfig, run_survey
 from tasks.run import GenerationConfig

@@ -57,7 +57,7 @@ fig_dir = out / "figures"
 # %%
 from core.schemas import Trace, iter_records
 from evictor.protocol import TOKENS, Budget
-from evictor.run import SweepConfig, run_sweep
+from evictor.sweep import SweepConfig, run_sweep
 from tasks.run import GenerationConfig
 
 if sweep_dir is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from core.cli import atomic_write, write_json
 from core.schemas import ProbeRow, as_json
-from evictor.run import csv_value
+from evictor.summary import csv_value
 from probes.instances import Layout
 
 

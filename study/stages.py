@@ -442,7 +442,7 @@ def ran_as(name: str, chosen: dict[str, Any], defaults: dict[str, dict[str, Any]
 def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], reference: Path,
                  problem_ids: tuple[str, ...] | None = None):
     from evictor.protocol import resolve_protocol
-    from evictor.run import SweepConfig
+    from evictor.sweep import SweepConfig
 
     settings = {"protect": config.protect}
     sampling = resolve_protocol(config.protocol, settings).sampling
@@ -457,10 +457,10 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
 
 def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, known: Outputs,
                   path: Path, paths: Paths, backend: BackendConfig, quiet: bool) -> Outputs:
-    """Every configuration at every budget under one protocol (`evictor.run.run_sweep`), fractions of each problem's
+    """Every configuration at every budget under one protocol (`evictor.sweep.run_sweep`), fractions of each problem's
     dense trace length or K in tokens; on every problem, or with ``evict_problems="labelled"`` on the labelled ones
     (all problems when none was labelled, so the baselines still run)."""
-    from evictor.run import run_sweep
+    from evictor.sweep import run_sweep
 
     reference = paths.abs(traces["traces"])
     labelled = tuple(labels.get("labelled_ids") or ())

@@ -10,7 +10,7 @@ import pytest
 
 from core.errors import UsageError
 from evictor.protocol import FRACTION, TOKENS, Budget, EvictionConfig, parse_budget, parse_budgets
-from evictor.run import SweepCell
+from evictor.summary import SweepCell
 
 
 @pytest.mark.parametrize("text, amount, unit", [

@@ -292,7 +292,7 @@ def test_protocol_flags_of_a_teacher_forcing_cli_leave_sampling_out_of_the_help(
 def test_run_sweep_is_the_library_behind_the_command_line(tiny_dir, data_file, tmp_path):
     from core.schemas import as_json
     from evictor.protocol import parse_budgets
-    from evictor.run import SweepConfig, run_sweep
+    from evictor.sweep import SweepConfig, run_sweep
     from tasks.run import GenerationConfig
 
     generation = GenerationConfig(dataset="gsm8k", model=tiny_dir, data_file=data_file, limit=2, max_new_tokens=12)
@@ -320,7 +320,7 @@ def test_run_sweep_is_the_library_behind_the_command_line(tiny_dir, data_file, t
 
 def test_an_interrupted_run_exits_130_keeping_its_finished_batches(tiny_dir, data_file, tmp_path, capsys,
                                                                   monkeypatch):
-    import evictor.run as module
+    import evictor.sweep as module
 
     decode = module.run_batch
     batches = []

@@ -142,7 +142,7 @@ def test_traces_replay_select_and_sweep_compose_on_the_tiny_model(tmp_path, tiny
     from evictor.policy import read_policy_configs
     from evictor.protocol import TOKENS, Budget
     from evictor.replay import ReplayConfig, build_engines, replay_signals
-    from evictor.run import SweepConfig, run_sweep
+    from evictor.sweep import SweepConfig, run_sweep
     from models.loading import load_model
     from signals.traces import SignalsConfig, trace_signals
     from tasks.run import GenerationConfig, generate_traces
