@@ -432,14 +432,22 @@ def offline_rows(result, ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def deployed_rows(comparisons: list[dict]) -> list[dict[str, Any]]:
+    """The comparisons against random of the configurations that evicted by a score, as `validation.predictive` reads
+    them. A configuration without a budget (full) deploys no score; it is compared with random at every budget, so
+    it would also repeat."""
+    return [{"scorer": r["config"], "budget": r["budget_a"], "difference": r["difference"], "ci_lo": r["ci_lo"],
+             "ci_hi": r["ci_hi"], "n_problems": r["n_problems"]}
+            for r in comparisons if not r.get("error") and r["budget_a"] is not None]
+
+
 def predictive_section(result, ranking: list[dict[str, Any]], comparisons: list[dict]) -> str:
     """Every scorer that ran in the evictor: its offline rho beside its deployed difference against random, and
     the rank correlation between the two (`validation.predictive`)."""
     from validation.predictive import describe, predictive
 
     level = result.config.level
-    deployed = [{"scorer": r["config"], "budget": r["budget_a"], "difference": r["difference"], "ci_lo": r["ci_lo"],
-                 "ci_hi": r["ci_hi"], "n_problems": r["n_problems"]} for r in comparisons if not r.get("error")]
+    deployed = deployed_rows(comparisons)
     offline = offline_rows(result, ranking)
     if not deployed or not offline:
         return "Nothing to set side by side: " + ("no scorer was validated offline." if not offline else
