@@ -190,7 +190,7 @@ def draw_figures(result, ranking: list[dict[str, str]], accuracy: list[dict], co
         "accuracy_budget": ("accuracy against the budget",
                             lambda: plot_accuracy_vs_budget([{**r, "policy": r["config"]} for r in accuracy])),
         "difference_vs_random": ("accuracy difference against random",
-                                 lambda: plot_forest([{**r, "label": f"{r['config']} @ {budget_text(r['budget_a'])}"}
+                                 lambda: plot_forest([{**r, "label": comparison_label(r)}
                                                       for r in evicting], value="difference", low="ci_lo",
                                                      high="ci_hi", xlabel=f"accuracy − {REFERENCE} (paired)")),
     }
@@ -403,7 +403,7 @@ def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
                        rows), ""]
     lines += refused + ["", figure_md(figures, "difference_vs_random"), "", "### What is significant", ""]
     if significant:
-        lines += [f"- {r['config']} at budget {budget_text(r['budget_a'])}: {100 * r['difference']:+.1f} points "
+        lines += [f"- {comparison_label(r)}: {100 * r['difference']:+.1f} points "
                   f"[{100 * r['ci_lo']:+.1f}, {100 * r['ci_hi']:+.1f}], bootstrap p = {fmt(r['bootstrap_p'])}"
                   for r in significant]
     else:
@@ -411,10 +411,18 @@ def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
     others = [r for r in comparisons if not r.get("significant") and not r.get("error")]
     if others:
         n = max(r["n_problems"] for r in others)
-        names = ", ".join(f"{r['config']} @ {budget_text(r['budget_a'])}" for r in others)
+        names = ", ".join(comparison_label(r) for r in others)
         lines += ["", f"Not significant ({len(others)} comparisons, n ≤ {n} problems; at this n one problem is "
                   f"{100 / n:.0f} points): {names}."]
     return "\n".join(lines)
+
+
+def comparison_label(row: dict[str, Any]) -> str:
+    """A comparison with random as the report names it: the configuration at its budget, or, for one without a budget
+    (full, compared with random at every budget), the budget random ran at."""
+    if row["budget_a"] is None:
+        return f"{row['config']} vs {REFERENCE} @ {budget_text(row['budget_b'])}"
+    return f"{row['config']} @ {budget_text(row['budget_a'])}"
 
 
 def offline_rows(result, ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:

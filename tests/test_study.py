@@ -399,3 +399,11 @@ def test_the_predictive_table_leaves_out_full_which_is_compared_with_random_at_e
     assert sorted(found.per_budget) == [0.25, 0.5]
     # the offline order (recency > h2o > epikv) is the deployed order at both budgets
     assert all(test.rho == pytest.approx(1.0) for test in found.per_budget.values())
+
+
+def test_full_compared_with_random_at_two_budgets_is_named_by_random_s_budget():
+    from study.report import comparison_label
+
+    assert comparison_label({"config": "h2o", "budget_a": 0.5, "budget_b": 0.5}) == "h2o @ 0.5"
+    assert [comparison_label({"config": "full", "budget_a": None, "budget_b": b}) for b in (0.25, 0.5)] == [
+        "full vs random @ 0.25", "full vs random @ 0.5"]
