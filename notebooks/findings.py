@@ -464,6 +464,37 @@ display(pd.DataFrame({"earlier labels": offline_statistics(study_dir),
                       "forced-answer labels": offline_statistics(restated)}))
 
 # %% [markdown]
+# ## The forced-answer study's evictor: random against every deployed scorer at a quarter and at half of each trace
+# Eviction reads no label, so at half the trace these are the earlier study's cells; a quarter is new. Then the
+# question the ranking rests on: does a scorer's offline rho order the scorers as evicting by them does? Spearman's
+# rho across the deployed scorers, per budget, recomputed here with scipy from the two tables.
+
+# %%
+from scipy.stats import spearmanr
+
+forced_dir = root / "qwen2.5-0.5b-gsm8k-forced"
+forced = pd.read_csv(forced_dir / "compare.csv")
+forced = forced[forced["error"].isna()]
+display(forced[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p",
+                "sign_p_value"]].round(3))
+forced_scores = pd.read_csv(restated / "ranking.csv")
+scored_forced = forced[forced["budget_a"].notna() & ~forced["policy_a"].isin(["full", "recency"])]
+for budget, rows in scored_forced.groupby("budget_a"):
+    top_row = rows.loc[rows["difference"].idxmax()]
+    add(f"random (prompt kept) matches the best scored policy, budget {budget:g}",
+        "within a few points, not significant",
+        f"best scored {top_row['config']}: {100 * top_row['difference']:+.1f} points vs random",
+        interval(top_row["ci_lo"], top_row["ci_hi"]), int(top_row["n_problems"]),
+        "reproduced" if top_row["ci_lo"] <= 0 else "not reproduced", forced_dir.name)
+evicting = forced[forced["budget_a"].notna()]
+for budget, rows in evicting.groupby("budget_a"):
+    offline_rho = [deployed(name, forced_scores)["within_rho"] for name in rows["config"]]
+    agreement = spearmanr(offline_rho, rows["difference"]).statistic
+    add(f"the offline rho orders the scorers as eviction does, budget {budget:g}", "–",
+        f"Spearman {agreement:+.2f} over {len(rows)} scorers", "see the study report", len(rows),
+        "measured", forced_dir.name)
+
+# %% [markdown]
 # ## The findings table
 
 # %%
