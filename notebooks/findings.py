@@ -164,13 +164,22 @@ show(plot_forest(compared, value="difference", low="ci_lo", high="ci_hi", xlabel
      fig_dir, "difference_vs_random")
 display(compared[["config", "budget_a", "n_problems", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
                   "bootstrap_p", "sign_p_value"]].round(3))
-scored = compared[~compared["policy_a"].isin(["full", "recency"])]
-if not scored.empty:
+
+
+def add_best_against_random(compared: pd.DataFrame, source: str, claim: str) -> None:
+    """The R1 row of one study's comparisons with random: the scored policy (neither full nor recency) that gains
+    most on random, and whether its interval still reaches zero."""
+    scored = compared[~compared["policy_a"].isin(["full", "recency"])]
+    if scored.empty:
+        return
     top_row = scored.loc[scored["difference"].idxmax()]
-    add("random (prompt kept) matches the best scored policy", "within a few points, not significant",
+    add(claim, "within a few points, not significant",
         f"best scored {top_row['config']}: {100 * top_row['difference']:+.1f} points vs random",
         interval(top_row["ci_lo"], top_row["ci_hi"]), int(top_row["n_problems"]),
-        "reproduced" if top_row["ci_lo"] <= 0 else "not reproduced", study)
+        "reproduced" if top_row["ci_lo"] <= 0 else "not reproduced", source)
+
+
+add_best_against_random(compared, study, "random (prompt kept) matches the best scored policy")
 
 protection = study_dir / "protection" / "comparison.csv"
 if protection.is_file():
@@ -478,16 +487,10 @@ forced = forced[forced["error"].isna()]
 display(forced[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p",
                 "sign_p_value"]].round(3))
 forced_scores = pd.read_csv(restated / "ranking.csv")
-scored_forced = forced[forced["budget_a"].notna() & ~forced["policy_a"].isin(["full", "recency"])]
-for budget, rows in scored_forced.groupby("budget_a"):
-    top_row = rows.loc[rows["difference"].idxmax()]
-    add(f"random (prompt kept) matches the best scored policy, budget {budget:g}",
-        "within a few points, not significant",
-        f"best scored {top_row['config']}: {100 * top_row['difference']:+.1f} points vs random",
-        interval(top_row["ci_lo"], top_row["ci_hi"]), int(top_row["n_problems"]),
-        "reproduced" if top_row["ci_lo"] <= 0 else "not reproduced", forced_dir.name)
 evicting = forced[forced["budget_a"].notna()]
 for budget, rows in evicting.groupby("budget_a"):
+    add_best_against_random(rows, forced_dir.name,
+                            f"random (prompt kept) matches the best scored policy, budget {budget:g}")
     offline_rho = [deployed(name, forced_scores)["within_rho"] for name in rows["config"]]
     agreement = spearmanr(offline_rho, rows["difference"]).statistic
     add(f"the offline rho orders the scorers as eviction does, budget {budget:g}", "–",
