@@ -58,6 +58,9 @@ def cohen_kappa(a: Sequence[int], b: Sequence[int]) -> float | None:
 
 def reasoning_labels(label: Label) -> dict[int, int]:
     """Position -> label over the reasoning span, for the positions the record labels."""
+    # Only labelled records come here, and a labelled record has its labels and both span boundaries.
+    assert label.positions is not None and label.labels is not None
+    assert label.reasoning_start is not None and label.answer_start is not None
     return {position: value for position, value in zip(label.positions, label.labels)
             if label.reasoning_start <= position < label.answer_start}
 
@@ -103,9 +106,9 @@ def label_agreement(a: Iterable[Label], b: Iterable[Label]) -> Agreement:
         pooled_a += [labels_x[p] for p in common]
         pooled_b += [labels_y[p] for p in common]
         evidence_x, evidence_y = window_evidence(x), window_evidence(y)
-        for window in sorted(evidence_x.keys() & evidence_y.keys()):
-            windows_a.append(int(evidence_x[window][1]))
-            windows_b.append(int(evidence_y[window][1]))
+        for span in sorted(evidence_x.keys() & evidence_y.keys()):
+            windows_a.append(int(evidence_x[span][1]))
+            windows_b.append(int(evidence_y[span][1]))
         tested_y = {(w["start"], w["end"]): w.get("outcome") for w in y.windows or []}
         for window in x.windows or []:
             other = tested_y.get((window["start"], window["end"]))

@@ -10,6 +10,7 @@ where a model is most likely to stop answering, whatever the window said).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from core.schemas import Label
 from labeling.windows import DIFFERENT, OUTCOMES, SAME
@@ -39,10 +40,12 @@ def outcome_breakdown(labels: Iterable[Label]) -> list[dict]:
     for label in labels:
         if not label.labelled:
             continue
+        assert label.reasoning_start is not None and label.answer_start is not None  # a labelled record has both
         for window in label.windows or []:
             place = window_place(window["start"], window["end"], label.reasoning_start, label.answer_start)
             counts[place][outcome_of(window)] += 1
-    rows = [{"where": place, **row, "windows": sum(row.values())} for place, row in counts.items()]
+    rows: list[dict[str, Any]] = [{"where": place, **row, "windows": sum(row.values())}
+                                  for place, row in counts.items()]
     total = {name: sum(row[name] for row in rows) for name in (*OUTCOMES, "windows")}
     return rows + [{"where": "all", **total}]
 

@@ -122,6 +122,7 @@ def load_label_worker(job: OcclusionJob) -> LabelWorker:
     resolved by the driver: model and dataset set)."""
     from models.loading import load_model
 
+    assert job.model is not None  # resolved by the driver
     if job.threads is not None:
         import torch
 
@@ -165,7 +166,10 @@ class _Plan:
 
     @property
     def traces_path(self) -> Path:
-        return self.out / "traces" / "generations.jsonl" if self.generation else Path(self.job.traces)
+        if self.generation:
+            return self.out / "traces" / "generations.jsonl"
+        assert self.job.traces is not None  # a job that generates no traces reads stored ones
+        return Path(self.job.traces)
 
 
 def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
@@ -179,6 +183,8 @@ def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
     if job.dataset is not None:
         check_dataset(job.dataset)
     generation, problems, eligible = None, [], []
+    dataset: str | None
+    model_name: str | None
     if job.traces is None:
         if job.dataset is None:
             raise UsageError("give --dataset (to generate traces) or --traces FILE")
@@ -195,8 +201,9 @@ def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
         traces = read_records(job.traces, Trace)[: job.limit]
         datasets = {t.dataset for t in traces}
         if job.dataset is not None and datasets - {job.dataset, None}:
-            raise UsageError(f"--dataset {job.dataset!r} but the traces are of {sorted(datasets - {None})}; leave "
-                             "--dataset out to label them as what they are")
+            named = sorted(d for d in datasets if d is not None)
+            raise UsageError(f"--dataset {job.dataset!r} but the traces are of {named}; leave --dataset out to label "
+                             "them as what they are")
         dataset = job.dataset or (datasets.pop() if len(datasets) == 1 else None)
         if dataset is None:
             raise UsageError(f"cannot tell the traces' dataset (found {sorted(map(str, datasets))}); pass --dataset")
@@ -224,7 +231,7 @@ def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
     # Labels are per trace: which traces (--limit, --shard), how they are grouped and where they run are not part
     # of the identity.
     identity = {"model": model_name, "dataset": dataset,
-                "traces": "generated" if generation else str(Path(job.traces).resolve()),
+                "traces": "generated" if job.traces is None else str(Path(job.traces).resolve()),
                 "generation": generation.identity() if generation else None, **config.identity()}
     resolved = dataclasses.replace(job, model=model_name, dataset=dataset)
     return _Plan(resolved, out, identity, shard, generation, problems, eligible)
@@ -252,6 +259,7 @@ def run_occlusion(job: OcclusionJob, out: str | os.PathLike | None = None,
         worker = load_label_worker(job)
         worker.live_progress = True
         labeler = worker.labeler
+        assert labeler.replacement is not None  # resolved when the labeler is made
         if labeler.replacement.chosen == "pad" and labeler.replacement.note:
             _say(f"note: --replacement pad: {labeler.replacement.note}; an answer that flips may reflect a broken "
                  "conversation (--replacement auto uses a neutral token)")
@@ -401,7 +409,7 @@ def _label_into(store, worker: LabelWorker, job: OcclusionJob, eligible: list[Tr
             cost = sum(regenerations[trace_id] for trace_id in unit.ids)
             left -= cost
             for label in done.labels:
-                outcome = (f"{len(label.windows)} windows ({_counts(label.outcome_counts)}), important fraction "
+                outcome = (f"{len(label.windows or [])} windows ({_counts(label.outcome_counts)}), important fraction "
                            f"{_fraction(label.important_fraction)}" if label.labelled else f"skipped: {label.reason}")
                 tqdm.write(f"[{label.id}] {outcome}")
             bar.update(len(unit.traces))

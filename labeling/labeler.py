@@ -216,8 +216,10 @@ class OcclusionLabeler:
         """
         from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 
+        assert self.replacement is not None  # resolved in __post_init__
         config, filler = self.config, self.replacement.token_id
-        records, jobs = [], []  # jobs: (record index, ids, plan)
+        records: list[dict[str, Any]] = []
+        jobs: list[tuple[int, list[int], TracePlan]] = []  # (record index, ids, plan)
         for index, trace in enumerate(unit.traces):
             plan, ids = self.plan(trace), trace.token_ids
             records.append({"n_tokens": len(ids), "reasoning_start": len(trace.prompt_ids),
@@ -278,6 +280,7 @@ class OcclusionLabeler:
         if answer is not None:
             return SAME if answer == reference or self.same(answer, reference) else DIFFERENT
         head = [t for t in tokens[:DEGENERATE_TOKENS] if t not in self.stop_ids]
+        assert self.replacement is not None  # resolved in __post_init__
         filler = self.replacement.token_id
         if not head or all(t == filler for t in head) or not self.tokenizer.decode(head).strip():
             return DEGENERATE

@@ -104,7 +104,7 @@ def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor
     to_feed = len(draft) - 1 if finished else len(draft)
     cache.activate_past_recording()  # sliding layers keep their past until the crop below
     draft_ids = torch.tensor(draft, device=device, dtype=torch.long)
-    chunks = []  # [batch, k] greedy predictions: column j is the row's greedy token j
+    chunks: list[torch.Tensor] = []  # [batch, k] greedy predictions: column j is the row's greedy token j
     fed = 0
     agreeing = torch.ones(batch, dtype=torch.bool, device=device)
     feed = input_ids

@@ -140,7 +140,7 @@ def speculative_greedy(model, caches: Sequence[Callable[[], DynamicCache]], tail
     valid: torch.Tensor | None = None  # [live, slots]: the slots each live row attends to
     blocked = torch.finfo(model.dtype).min
     while True:
-        joining = []
+        joining: list[tuple[int, DynamicCache, list[bool]]] = []
         while len(live) + len(joining) < limit and (index := next(waiting, None)) is not None:
             if (started := start(index)) is not None:
                 joining.append((index, *started))
@@ -150,6 +150,7 @@ def speculative_greedy(model, caches: Sequence[Callable[[], DynamicCache]], tail
             live += [index for index, _, _ in joining]
         if not live:
             break
+        assert cache is not None and valid is not None  # set when the first rows joined
         longest = int(valid.sum(1).max())
         if valid.shape[1] - longest > max(COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO * longest):
             valid = _compact(cache, valid)
@@ -177,7 +178,7 @@ def speculative_greedy(model, caches: Sequence[Callable[[], DynamicCache]], tail
                 progress(len(live) - len(keep))
             live = [live[i] for i in keep]
             if keep:
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                valid = valid[index]
+                selected = torch.tensor(keep, device=device)
+                cache.batch_select_indices(selected)
+                valid = valid[selected]
     return [row.out for row in rows]

@@ -91,7 +91,9 @@ def find_answer_cue(tokenizer, prompt_len: int, generated_ids: list[int]) -> Cue
         if not phrases:
             return None
         marker, answer = phrases[-1].start(), phrases[-1].end()
-    answer = _CUE_GAP.match(text, answer).end()
+    gap = _CUE_GAP.match(text, answer)
+    assert gap is not None  # the gap pattern matches the empty string too
+    answer = gap.end()
     if answer >= len(text):  # the marker ends the trace: no answer follows it
         return None
     start = _token_holding_char(tokenizer, generated_ids, think if think >= 0 else marker)

@@ -79,6 +79,7 @@ def run_forced(engine, prompt: Sequence[int], bodies: Sequence[Sequence[int]], v
                 progress(1)
         session.end_decode()
         peak = max(session.cache_sizes[0])
+    assert resident is not None  # read at the forward that predicts the value's first token (body precedes value)
     return Forced(torch.stack(logprobs, 1).numpy(), torch.stack(argmax, 1).numpy(), resident, rounds, peak)
 
 

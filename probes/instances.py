@@ -197,7 +197,9 @@ class InstanceBuilder:
         return self._tokens[k]
 
     def _stream(self, start: int, need: int) -> tuple[list[int], list[str]]:
-        tokens, ids, k = [], [], start
+        tokens: list[int] = []
+        ids: list[str] = []
+        k = start
         while len(tokens) < need:  # every text contributes at least the separator
             tokens += self._text_tokens(k % len(self.texts))
             ids.append(self.texts[k % len(self.texts)][0])

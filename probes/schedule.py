@@ -52,6 +52,7 @@ class Schedule:
            kept_recent: Callable[[int], int] | None = None) -> Schedule:
         """The schedule of a sequence with a `prompt_len`-token prompt; `kept_recent` is the policy's own
         `Policy.kept_recent` (the newest tokens it keeps, which widen the recency window)."""
+        assert config.budget is not None  # a probe's protocol has one K for every sequence (--budget)
         resolved = sequence_budgets([int(config.budget)], [prompt_len], protect, config, kept_recent=kept_recent)
         return cls(config, resolved.budgets[0], resolved.limits[0], resolved.recency[0])
 

@@ -5,6 +5,7 @@ instance-clustered bootstrap interval."""
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import numpy as np
 
@@ -37,8 +38,29 @@ def interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
     return percentile_interval(finite, level) if finite.size else (math.nan, math.nan)
 
 
+class _Retrieval(TypedDict):
+    """The statistics of every condition (`RetrievalStatistics`)."""
+
+    n: int
+    retrieval: float
+    retrieval_lo: float
+    retrieval_hi: float
+    mean_lp: float
+    lp_lo: float
+    lp_hi: float
+
+
+class RetrievalStatistics(_Retrieval, total=False):
+    """What `retrieval_statistics` returns, keyed by `ProbeRow` field: graded recall R and its interval only given
+    the kept / deleted references."""
+
+    R: float
+    R_lo: float
+    R_hi: float
+
+
 def retrieval_statistics(retrieved, lp, n_boot: int, level: float, seed: int, kept=None,
-                         deleted=None) -> dict[str, float | int]:
+                         deleted=None) -> RetrievalStatistics:
     """The statistics of one condition, keyed by their `ProbeRow` fields: retrieval with its Wilson interval (one
     0/1 trial per instance), mean log p with an instance-bootstrap interval and, given the kept / deleted references
     of the same instances, graded recall R with an instance-clustered bootstrap interval."""
@@ -47,8 +69,8 @@ def retrieval_statistics(retrieved, lp, n_boot: int, level: float, seed: int, ke
     rng = np.random.default_rng(seed)
     lo, hi = wilson_interval(float(retrieved.sum()), n, level)
     lp_lo, lp_hi = interval(bootstrap_means(lp, n_boot, rng), level)
-    row = {"n": n, "retrieval": float(retrieved.mean()), "retrieval_lo": lo, "retrieval_hi": hi,
-           "mean_lp": float(lp.mean()), "lp_lo": lp_lo, "lp_hi": lp_hi}
+    row: RetrievalStatistics = {"n": n, "retrieval": float(retrieved.mean()), "retrieval_lo": lo, "retrieval_hi": hi,
+                                "mean_lp": float(lp.mean()), "lp_lo": lp_lo, "lp_hi": lp_hi}
     if kept is not None:
         kept, deleted = np.asarray(kept, dtype=float), np.asarray(deleted, dtype=float)
         r_lo, r_hi = interval(ratio_bootstrap(lp - deleted, kept - deleted, n_boot, rng), level)

@@ -165,7 +165,8 @@ class Study:
         self.records: dict[str, StageRecord] = {}
 
     def run(self, name: str, settings: dict[str, Any], compute, *, off: str | None = None) -> StageRecord:
-        inputs = {n: self.records[n].key for n in INPUTS[name] if self.records[n].key is not None}
+        keys = {n: self.records[n].key for n in INPUTS[name]}
+        inputs = {n: key for n, key in keys.items() if key is not None}
         if off is not None:
             record = StageRecord(name, None, None, "off", 0.0, settings, inputs, {"reason": off})
             self.records[name] = record

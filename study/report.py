@@ -162,7 +162,7 @@ def accuracy_rows(result) -> list[dict[str, Any]]:
 
 
 # --- figures ---------------------------------------------------------------------------------------------------------
-def draw_figures(result, ranking: list[dict[str, str]], accuracy: list[dict], comparisons: list[dict]) -> dict:
+def draw_figures(result, ranking: list[dict[str, Any]], accuracy: list[dict], comparisons: list[dict]) -> dict:
     """Each figure's PNG path relative to the study directory, or why it was not drawn."""
     from figures.accuracy_budget import plot_accuracy_vs_budget
     from figures.forest import plot_forest
@@ -305,7 +305,7 @@ def labels_section(result) -> str:
     return "\n".join(lines)
 
 
-def selection_section(result, ranking: list[dict[str, str]], figures: dict) -> str:
+def selection_section(result, ranking: list[dict[str, Any]], figures: dict) -> str:
     selection, level = result["selection"], f"{result.config.level:.0%}"
     lines = []
     if selection.get("signals"):

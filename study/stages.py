@@ -80,6 +80,7 @@ def check_reused_traces(config: StudyConfig, problems) -> list[Trace]:
     """The --traces records of the study's problems: dense, of --model and --dataset, holding every problem."""
     from signals.traces import read_dense_traces
 
+    assert config.traces is not None  # called for a study that reuses --traces
     traces = {trace.id: trace for trace in read_dense_traces(config.traces)}
     models = sorted({str(t.model) for t in traces.values()})
     if models != [config.model]:
@@ -175,7 +176,9 @@ def label_counts(labels: list[Label]) -> Outputs:
             "replacement": labelled[0].replacement if labelled else None,
             "labelled_ids": [label.id for label in labelled],
             "positions": sum(len(label.positions or []) for label in labelled),
-            "unlabelled_positions": sum(label.answer_start - len(label.positions or []) for label in labelled),
+            # every labelled record has its answer boundary
+            "unlabelled_positions": sum(label.answer_start - len(label.positions or []) for label in labelled
+                                        if label.answer_start is not None),
             "breakdown": breakdown, "no_answer_share": no_answer_share(breakdown)}
 
 
@@ -245,7 +248,7 @@ def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: P
         return {"files": [], "reason": "no labelled trace"}
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
     replay = ReplayConfig(seed=config.seed, tail=config.tail)
-    policies = {name: {} for name in config.scorers}
+    policies: dict[str, dict[str, Any]] = {name: {} for name in config.scorers}
     files = []
     out = path / REPLAY_FILE
     identity = {"traces": traces["traces"], "ids": sorted(ids), "model": config.model, "dtype": config.dtype,

@@ -19,7 +19,7 @@ def main() -> None:
         try:
             gold = parse(request["gold"], parsing_timeout=None)
             pred = parse(request["pred"], parsing_timeout=None)
-            reply = {"equal": bool(gold and pred and verify(gold, pred, timeout_seconds=None))}
+            reply: dict[str, bool | str] = {"equal": bool(gold and pred and verify(gold, pred, timeout_seconds=None))}
         except Exception as err:  # a parse failure is an answer ("cannot tell"), not a crash
             reply = {"error": f"{type(err).__name__}: {err}"}
         sys.stdout.write(json.dumps(reply) + "\n")

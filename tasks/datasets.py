@@ -174,7 +174,7 @@ def _data_dir_file(spec: DatasetSpec) -> Path | None:
 
 def _numbered(records, limit: int | None) -> list[tuple[int, dict[str, Any]]]:
     """(1-based record number, record) pairs, reading no further than `limit` records (errors beyond it never fire)."""
-    rows = []
+    rows: list[tuple[int, dict[str, Any]]] = []
     for number, record in enumerate(records, start=1):
         if limit is not None and len(rows) >= limit:
             break

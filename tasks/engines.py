@@ -184,10 +184,12 @@ class VLLMEngine:
                 finish_reason=message["finish_reason"], prefill_s=message["prefill_s"], decode_s=message["decode_s"])
 
     def _send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None  # started with stdin=PIPE
         self.process.stdin.write(json.dumps(message) + "\n")
         self.process.stdin.flush()
 
     def _receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None  # started with stdout=PIPE
         line = self.process.stdout.readline()
         message = json.loads(line) if line else {"error": f"the worker exited with status {self.process.wait()}"}
         if "error" in message:
@@ -198,6 +200,7 @@ class VLLMEngine:
     def close(self) -> None:
         """End the worker's input, so that it stops vLLM and exits; past two minutes, kill its process group."""
         if self.process.poll() is None:
+            assert self.process.stdin is not None  # started with stdin=PIPE
             self.process.stdin.close()
             try:
                 self.process.wait(timeout=120)

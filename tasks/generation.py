@@ -178,7 +178,9 @@ def join_rows(batch: DynamicCache | None, valid: torch.Tensor | None, caches: li
     """Append single-row caches (consumed) to the batch cache; every row is padded on the right to the longest, and
     ``valid [rows, slots]`` marks the real slots (the caller masks the rest)."""
     slots = max([len(v) for v in valids] + ([valid.shape[1]] if valid is not None else []))
-    device = caches[0].layers[0].keys.device
+    # transformers types a layer as possibly keyless (linear attention) or not yet filled; these are prefilled
+    # attention layers
+    device = caches[0].layers[0].keys.device  # type: ignore[union-attr]
     new_valid = torch.tensor([v + [False] * (slots - len(v)) for v in valids], dtype=torch.bool, device=device)
     parts = ([batch] if batch is not None else []) + caches
     joined = parts[0]
@@ -248,8 +250,8 @@ def generate_batch(lm, requests: Sequence[Request], batch_size: int,
     device = next(model.parameters()).device
     stops = set(stop_token_ids(tokenizer, model) if stop_ids is None else stop_ids)
     if batch_size == 1 or has_sliding_layers(DynamicCache(config=model.config)):
-        for index, request in enumerate(requests):
-            yield index, generate(lm, list(request.prompt_ids), request.max_new_tokens, temperature=request.temperature,
+        for i, request in enumerate(requests):
+            yield i, generate(lm, list(request.prompt_ids), request.max_new_tokens, temperature=request.temperature,
                                   top_p=request.top_p, seed=request.seed, stop_ids=sorted(stops))
         return
     rows = [_Row(request, device) for request in requests]
@@ -263,7 +265,8 @@ def generate_batch(lm, requests: Sequence[Request], batch_size: int,
         return row.out[-1] in stops or len(row.out) >= row.request.max_new_tokens
 
     while True:
-        joining, done = [], []
+        joining: list[tuple[int, DynamicCache]] = []
+        done: list[int] = []
         while len(live) + len(joining) < batch_size and (index := next(waiting, None)) is not None:
             row = rows[index]
             row.started = time.perf_counter()
@@ -284,6 +287,7 @@ def generate_batch(lm, requests: Sequence[Request], batch_size: int,
             live += [index for index, _ in joining]
         if not live:
             return
+        assert cache is not None and valid is not None  # set when the first rows joined
         longest = int(valid.sum(1).max())
         if valid.shape[1] - longest > max(COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO * longest):
             valid = compact_rows(cache, valid)

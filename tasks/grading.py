@@ -141,6 +141,7 @@ class MathVerifier:
         replies: queue.Queue[str] = queue.Queue()  # one queue per child: a killed child's late reply cannot leak
 
         def pump() -> None:
+            assert proc.stdout is not None  # started with stdout=PIPE
             for line in proc.stdout:
                 replies.put(line)
 
@@ -152,6 +153,7 @@ class MathVerifier:
         """True/False as math-verify decides; None when it failed or ran out of time (the caller falls back)."""
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            assert proc.stdin is not None  # started with stdin=PIPE
             try:
                 proc.stdin.write(json.dumps({"pred": f"\\boxed{{{pred}}}", "gold": f"\\boxed{{{gold}}}"}) + "\n")
                 proc.stdin.flush()

@@ -191,6 +191,7 @@ def _problem(config: KnownFactsConfig, index: int) -> dict[str, Any]:
         elif role == "statement":
             boundary, statement = start, [start + len(THINK_END) + 1, len(text)]
     answer_char = text.rindex(CUE) + len(CUE)
+    assert needed is not None  # every problem holds the needed note
     info = {
         "text": text, "answer": values[0], "key": keys[0], "needed": [needed], "decoys": decoys,
         "statement": statement, "cue": boundary, "answer_char": answer_char,
@@ -203,6 +204,7 @@ def _problem(config: KnownFactsConfig, index: int) -> dict[str, Any]:
 def _fact_spans(text: str, start: int) -> dict[str, list[int]]:
     """The character spans of the note ending `text` at `start`: the whole note, its key name and its value."""
     match = _NOTE.fullmatch(text, start)
+    assert match is not None  # the text ends with a note made from NOTE
     return {"note": [start, len(text)], "key": list(match.span(1)), "value": list(match.span(2))}
 
 

@@ -35,7 +35,9 @@ def build_prompt_text(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> s
     if uses_chat_template(tokenizer):
         content = problem.question if own_instruction else f"{problem.question}\n\n{INSTRUCTION}"
         message = {"role": "user", "content": content}
-        return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+        # transformers' return type does not depend on `tokenize`: without tokenizing it is the rendered text
+        return tokenizer.apply_chat_template(  # type: ignore[return-value]
+            [message], tokenize=False, add_generation_prompt=True)
     if own_instruction:
         return f"{problem.question}\n\nAnswer:"
     return PLAIN_TEMPLATE.format(question=problem.question, instruction=INSTRUCTION)

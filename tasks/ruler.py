@@ -196,7 +196,11 @@ def grade(text: str, problem: Any) -> dict[str, Any]:
 
     info = problem.meta["ruler"]
     boxed, rule = extract_answer_with_rule(text)
-    region, where = (boxed, "boxed") if rule == "boxed" else (text, "text")
+    if rule == "boxed":
+        assert boxed is not None  # the boxed rule comes with the box's contents
+        region, where = boxed, "boxed"
+    else:
+        region, where = text, "text"
     found = list(dict.fromkeys(answer_items(region, info["task"], info.get("candidates"))))
     gold = set(info["values"])
     return {
@@ -288,7 +292,7 @@ def _with_inserts(units: list[str], inserts: list[tuple[float, str]]) -> str:
     slots: dict[int, list[str]] = {}
     for depth, text in sorted(inserts, key=lambda item: item[0]):
         slots.setdefault(round(depth * len(units)), []).append(text)
-    out = []
+    out: list[str] = []
     for position in range(len(units) + 1):
         out.extend(slots.get(position, ()))
         if position < len(units):

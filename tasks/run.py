@@ -246,7 +246,7 @@ def summarize(traces: Sequence[Trace]) -> dict[str, Any]:
     """Accuracy and counts over `traces` (the fields `core.schemas.Cell` shares with a dense run)."""
     n = len(traces)
     correct = sum(bool(t.correct) for t in traces)
-    speeds = [t.timings.get("tokens_per_s") for t in traces if t.timings.get("tokens_per_s")]
+    speeds = [t.timings["tokens_per_s"] for t in traces if t.timings.get("tokens_per_s")]
     return {
         "problems": n,
         "correct": correct,
@@ -359,7 +359,7 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
     """
     from tqdm import tqdm
 
-    from tasks.engines import load_engine
+    from tasks.engines import HFEngine, load_engine
     from tasks.prompts import build_prompt_ids, uses_chat_template
 
     backend = backend or BackendConfig()
@@ -377,7 +377,7 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
             run.save_config(
                 **dataclasses.asdict(config),
                 out=str(out),
-                loaded_model=engine.lm.describe() if config.engine == "hf" else {"name": config.model},
+                loaded_model=engine.lm.describe() if isinstance(engine, HFEngine) else {"name": config.model},
                 loaded_engine=engine.describe(),
                 prompt_format="chat_template" if uses_chat_template(engine.tokenizer) else "plain (no chat template)",
                 backend=dataclasses.asdict(backend),
@@ -395,6 +395,10 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
                     if on_trace is not None:
                         on_trace(trace)
 
+                def finished_chunk(_: list[Problem], traces: list[Trace]) -> None:
+                    for trace in traces:
+                        finished(trace)
+
                 if backend.backend == "serial":
                     for trace in generate_traces(engine, todo, config):
                         finished(trace)
@@ -402,7 +406,7 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
                     size = config.batch_size
                     run_units([todo[i:i + size] for i in range(0, len(todo), size)],
                               functools.partial(load_generator, config), generate_chunk, backend,
-                              on_result=lambda _, traces: [finished(trace) for trace in traces])
+                              on_result=finished_chunk)
         finally:
             engine.close()
         wanted = {p.id for p in problems}
