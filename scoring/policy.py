@@ -128,6 +128,10 @@ class Policy:
     # instead of once per layer and gives every layer the same frozen scores.
     layer_independent: ClassVar[bool] = False
     scores_nothing: ClassVar[bool] = False  # `full`: the engine never evicts
+    # The registered per-token signal (`signals`) that is this policy's score at the end of a dense trace, averaged
+    # over heads: without eviction the two are one quantity (H2O's accumulated attention, TOVA's last row), so a study
+    # that replays the policy does not compute the signal too. tests/test_policies_contract.py checks that they agree.
+    signal: ClassVar[str] = ""
     # What the engine protects from eviction unless the run overrides it: "prompt" (whole prompt, the default of
     # Random Attention and EpiKV's hidden-state/KV families), "sinks" (first few tokens, StreamingLLM / H2O) or "none".
     default_protection: ClassVar[str] = "prompt"

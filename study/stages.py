@@ -42,7 +42,6 @@ REPLAY_FILE = "replay.jsonl"
 # rolling mean and rolling z (the two band scores). Attention received is H2O's score: when h2o is a replayed scorer
 # its replay is that signal, under the same name, so it is not computed twice.
 SMOOTHED_SIGNALS = {"raw": ("hidden_diff", "key_norm", "h2o"), "mean": ("hidden_diff",), "z": ("hidden_diff",)}
-ATTENTION_RECEIVED = "h2o"
 BAND_FAMILY = "hidden_diff"
 BASELINE_SWEEP = "baselines"
 SELECTED = "selected-"  # the sweep and configuration name of a selected configuration
@@ -262,8 +261,9 @@ def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: P
             for record in replay_signals(lm, engines, todo, replay, progress=bar.update):
                 store.append(record.to_json())
     files.append(paths.rel(out))
+    replayed = {configured_policy(name, params).signal for name, params in policies.items()}
     for smoothing, signals in SMOOTHED_SIGNALS.items():
-        signals = tuple(s for s in signals if s != ATTENTION_RECEIVED or s not in config.scorers)
+        signals = tuple(s for s in signals if s not in replayed)
         signal_config = SignalsConfig(signals=signals, smoothing=smoothing, window=config.signal_window)
         out = path / f"signals-{smoothing}.jsonl"
         identity = {"traces": traces["traces"], "ids": sorted(ids), "model": config.model, "dtype": config.dtype,

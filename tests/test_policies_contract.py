@@ -11,6 +11,7 @@ import torch
 from evictor.calibration import CalibratedPolicy
 from evictor.policies import POLICIES, get_policy, policy_names
 from scoring.policy import Needs, ObserveInputs, Policy, ScoreInputs
+from signals import SIGNALS
 from signals.attention import raas_timestamps
 
 B, H, D, D_MODEL, T, PROMPT = 2, 3, 8, 16, 48, 32
@@ -212,3 +213,24 @@ def test_scores_depend_on_what_the_policy_reads(name):
     second = policy.score(score_inputs(policy, make_stream(policy.needs, seed=5), seed=5))
     position_only = name in ("recency", "streaming_llm")
     assert torch.equal(first, second) == position_only
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if get_policy(n).signal])
+def test_a_policys_signal_is_its_score_on_a_dense_trace(name):
+    """A policy that declares a per-token signal scores, with nothing evicted, what the signal computes over the
+    same forwards (prompt block, then one query per step) averaged over heads: the study computes only one of them."""
+    policy = build(name)
+    signal = SIGNALS[policy.signal]()
+    groups = 2  # query heads per KV head
+    logits = torch.randn(B, groups * H, T, T, generator=torch.Generator().manual_seed(3))
+    probs = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    signal.add(probs[:, :, :PROMPT, :PROMPT])
+    for t in range(PROMPT, T):
+        signal.add(probs[:, :, t:t + 1, :t + 1])
+    queries = policy.needs.queries_window or T
+    positions = torch.arange(T).expand(B, H, T)
+    inputs = ScoreInputs(layer=0, step=T - PROMPT, positions=positions,
+                         candidate_mask=torch.ones(B, H, T, dtype=torch.bool),
+                         attention=probs.view(B, H, groups, T, T).mean(2)[:, :, T - queries:],
+                         query_positions=torch.arange(T - queries, T).expand(B, -1), next_positions=torch.full((B,), T))
+    torch.testing.assert_close(policy.score(inputs).mean(1), signal.result(), rtol=1e-5, atol=1e-6)

@@ -49,6 +49,7 @@ class H2O(Policy):
         + GROUP_MEAN
     )
     default_protection = "sinks"
+    signal = "h2o"
 
     @property
     def needs(self) -> Needs:
@@ -99,6 +100,7 @@ class TOVA(Policy):
     )
     shared_across_heads = True
     default_protection = "none"
+    signal = "tova"
 
     @property
     def needs(self) -> Needs:
