@@ -8,11 +8,14 @@ renamed into place, so an interrupted conversion never leaves a half-written mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,9 @@ from models.tiny import tiny_config, tiny_model
 log = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "flash_attention_2", "eager")
+# Inside `shared_loads`: the models loaded so far, by (name, device, dtype, kernel); None outside.
+_SHARED: ContextVar[dict[tuple[str, str, torch.dtype, str | None], LoadedModel] | None] = ContextVar(
+    "kvscope_shared_loads", default=None)
 
 
 def default_device() -> torch.device:
@@ -82,14 +88,41 @@ def load_model(
     (`models.tiny`)."""
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = _resolve_dtype(dtype, device)
-    kernel = choose_kernel(attn_implementation, device)
+    chosen = choose_kernel(attn_implementation, device)
     # Unasked, SDPA is left to transformers, whose default it is: a class without it (Gemma2, gpt-oss) runs eager.
-    kernel = None if attn_implementation is None and kernel == "sdpa" else kernel
+    kernel = None if attn_implementation is None and chosen == "sdpa" else chosen
+    shared = _SHARED.get()
+    if shared is None:
+        return _load(name, device, torch_dtype, kernel)
+    key = (name, str(device), torch_dtype, kernel)
+    if key not in shared:
+        shared[key] = _load(name, device, torch_dtype, kernel)
+    return shared[key]
+
+
+@contextlib.contextmanager
+def shared_loads() -> Iterator[None]:
+    """Inside it, `load_model` with the same name, device, dtype and kernel returns the model it loaded the first time,
+    so the stages of one run that share a process share one copy (`study.run_study`: the traces, the labeller, the
+    replay and the evictor's driver); outside it, every call loads a fresh copy. Sharing is safe because nothing in
+    kvscope changes a loaded model: hooks are scoped and a kernel switch restores the model's own. A nested use keeps
+    the outer one's models."""
+    if _SHARED.get() is not None:
+        yield
+        return
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _load(name: str, device: torch.device, torch_dtype: torch.dtype, kernel: str | None) -> LoadedModel:
     if name.startswith("tiny-"):  # random-init test models
         return tiny_model(name.removeprefix("tiny-"), attn_implementation=kernel, dtype=torch_dtype)
-    if name in REGISTRY and REGISTRY[name].expands is not None:  # built on load from the entry it expands
-        base = load_model(REGISTRY[name].expands, device=device, dtype=torch_dtype, attn_implementation=kernel)
-        return with_expanded_kv_heads(base, name)
+    if (expands := _expands(name)) is not None:  # built on load from the entry it expands
+        # A copy of its own, never a shared one: the expansion changes the model in place.
+        return with_expanded_kv_heads(_load(expands, device, torch_dtype, kernel), name)
     start = time.perf_counter()
     directory, source, info = locate_weights(name)
     model, tokenizer = _from_pretrained(directory, torch_dtype, kernel, name)
@@ -97,16 +130,22 @@ def load_model(
     return LoadedModel(model, tokenizer, name, source, time.perf_counter() - start, info)
 
 
+def _expands(name: str) -> str | None:
+    """The registry entry whose model `name`'s expands (`RegistryEntry.expands`), if any."""
+    return REGISTRY[name].expands if name in REGISTRY else None
+
+
 def locate_weights(name: str) -> tuple[Path | str, str, dict[str, Any]]:
     """``(directory, source, info)``: the HuggingFace directory (or hub id) `load_model` reads `name`'s weights from
     (a registry name or a ``.gguf`` file: its converted safetensors copy, made now on first use), where they came from,
     and what `LoadedModel.info` records. Other engines (vLLM) load the same directory. Random-init (``tiny-*``) and
     expanded registry models are built in memory and have none."""
-    if name.startswith("tiny-") or name in REGISTRY and REGISTRY[name].expands is not None:
+    if name.startswith("tiny-") or _expands(name) is not None:
         raise UsageError(f"model {name!r} is built in memory by kvscope and has no weights directory")
     check_model_name(name)
     if name in REGISTRY:
         entry = REGISTRY[name]
+        assert entry.locate_gguf is not None  # an entry that expands no other has weights of its own
         gguf = entry.locate_gguf()
         if not gguf.exists():
             raise UsageError(f"model {name!r}: weights file {gguf} is missing; reinstall with: {entry.install_hint()}")
@@ -155,8 +194,8 @@ def model_config(name: str):
     if name.startswith("tiny-"):
         check_model_name(name)
         return tiny_config(name.removeprefix("tiny-"))
-    if name in REGISTRY and REGISTRY[name].expands is not None:
-        return model_config(REGISTRY[name].expands)  # only its KV heads differ
+    if (expands := _expands(name)) is not None:
+        return model_config(expands)  # only its KV heads differ
     directory, _, _ = locate_weights(name)
     if isinstance(directory, Path):
         _check_config_file(name, directory / "config.json")
@@ -179,7 +218,8 @@ def _check_config_file(name: str, path: Path) -> None:
         raise UsageError(f"model {name!r}: {path} is not a readable JSON file ({_first_line(err)})") from None
     if not isinstance(config, dict):
         raise UsageError(f"model {name!r}: {path} holds a JSON {type(config).__name__}, not a model configuration")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config = config.get("text_config")
+    text = text_config if isinstance(text_config, dict) else config
     missing = [key for key in ("model_type", *REQUIRED_CONFIG) if key not in text and key not in config]
     if missing:
         raise UsageError(f"model {name!r}: {path} lacks {', '.join(missing)}; it is not a model configuration "
@@ -255,7 +295,7 @@ def _converted_copy(gguf: Path, expected_sha256: str | None = None) -> tuple[Pat
         first_line = str(err).splitlines()[0] if str(err) else ""
         raise UsageError(f"cannot read GGUF file {gguf}: {type(err).__name__}: {first_line}") from None
     # A GGUF-loaded model refuses save_pretrained while its quantizer is attached; the weights are already dense.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types the attribute as always set
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -216,6 +216,7 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
               command: list[str] | None = None) -> StudyResult:
     """Run (or resume) the study `config` into `out` and write its report; bad input is a `UsageError` raised before
     anything is written. `command` is the command line the report gives for reproducing it."""
+    from models.loading import shared_loads
     from study.report import write_report
 
     backend = backend or BackendConfig()
@@ -226,7 +227,8 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
     settings = stage_settings(config, problems)
     out = Path(out)
     started = time.perf_counter()
-    with RunDir(out, IDENTITY) as run, connected(backend):
+    # One copy of the model for every stage that runs in this process (Ray workers load their own, once each).
+    with RunDir(out, IDENTITY) as run, connected(backend), shared_loads():
         run.save_config(study=config.to_json(), command=command, backend=dataclasses.asdict(backend),
                         revision=source_revision())
         study = Study(config, out, backend, quiet)

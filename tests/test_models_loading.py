@@ -160,3 +160,18 @@ def test_every_tiny_family_is_a_model_name_and_an_unknown_one_is_refused():
         check_model_name(f"tiny-{family}")
     with pytest.raises(UsageError, match="unknown model 'tiny-falcon'.*tiny-gpt_oss"):
         check_model_name("tiny-falcon")
+
+
+def test_shared_loads_return_one_model_per_settings_and_fresh_copies_outside(monkeypatch):
+    loads = []
+    real = loading.tiny_model
+    monkeypatch.setattr(loading, "tiny_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    with loading.shared_loads():
+        first = load_model("tiny-llama", device="cpu")
+        with loading.shared_loads():  # a nested use keeps the outer models
+            assert load_model("tiny-llama", device="cpu") is first
+        assert load_model("tiny-llama", device="cpu", dtype="bfloat16") is not first
+        assert load_model("tiny-llama", device="cpu", attn_implementation="eager") is not first
+    assert len(loads) == 3
+    assert load_model("tiny-llama", device="cpu") is not first
+    assert len(loads) == 4

@@ -9,6 +9,7 @@ a regeneration), as tests/test_labeling_cli.py does: every reference has one and
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -24,6 +25,7 @@ import tasks.grading
 from core.errors import UsageError
 from core.rundir import RunDir
 from evictor.run import main as evictor_main
+from models import loading
 from study import pipeline
 from study.__main__ import main
 
@@ -69,11 +71,34 @@ def stage_dirs(out) -> set[str]:
     return {path.name for path in (out / "stages").iterdir()}
 
 
+MODEL_LOADS: list[str] = []  # the model directories the module's study loaded weights from
+
+
 @pytest.fixture(scope="module")
 def study(tiny_dir, data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("study") / "out"
-    assert run_study(tiny_dir, data_file, out) == 0
+    real = loading._from_pretrained
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "_from_pretrained", lambda directory, *a: MODEL_LOADS.append(str(directory))
+                      or real(directory, *a))
+        assert run_study(tiny_dir, data_file, out) == 0
     return out
+
+
+def test_the_stages_share_one_loaded_model(study, tiny_dir, data_file, tmp_path):
+    """Every stage of a serial study runs on the one copy loaded first, and what it computes is what stages loading
+    their own copies compute."""
+    assert MODEL_LOADS == [str(tiny_dir)]
+    out, own_loads = tmp_path / "own-copies", []
+    real = loading._from_pretrained
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "shared_loads", contextlib.nullcontext)
+        patch.setattr(loading, "_from_pretrained", lambda directory, *a: own_loads.append(directory)
+                      or real(directory, *a))
+        assert run_study(tiny_dir, data_file, out) == 0
+    assert len(own_loads) > 1  # without sharing, the stages load their own
+    for name in ("ranking.csv", "compare.csv", "accuracy.csv"):
+        assert (out / name).read_text() == (study / name).read_text(), name
 
 
 def test_the_study_writes_every_deliverable(study):
