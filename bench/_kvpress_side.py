@@ -21,7 +21,7 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 
 def load(model_dir: str, kernel: str = "sdpa"):
@@ -89,7 +89,7 @@ def build_press(spec: dict, ratio: float):
 
 def kept(args: argparse.Namespace) -> None:
     ids = torch.tensor([json.loads(args.prompt_ids)])
-    models = {}
+    models: dict[str, PreTrainedModel] = {}
     result = {}
     for spec in json.loads(args.presses):
         kernel = spec.get("kernel", "sdpa")

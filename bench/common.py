@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -56,9 +56,9 @@ def fixed_prompt(lm) -> list[int]:
     return build_prompt_ids(lm.tokenizer, Problem("bench", QUESTION, "72", "gsm8k"))
 
 
-def median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def interleaved(settings: list[str], repeats: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:

@@ -11,8 +11,12 @@ same runs the time spent in eviction rounds (scoring + compaction) as a share of
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from common import fixed_prompt, interleaved, median, set_threads, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import fixed_prompt, interleaved, median, set_threads, table  # noqa: E402
 
 TARGET_SHARE = 0.05
 
@@ -64,6 +68,7 @@ def main() -> None:
         runs = results[name]
         speed = median([r["tok_s"] for r in runs])
         share = median([r["round_share"] for r in runs])
+        assert speed is not None and base is not None and share is not None  # every run decoded: its time is > 0
         rows.append({
             "policy": name,
             "tok_s": speed,

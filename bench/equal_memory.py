@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,15 +74,15 @@ def measure(lm, policies: list[str], *, memory: int, context: int, new_tokens: i
     median decode throughput over `repeats` runs at that batch, interleaved with the other policies' so that load
     drifting on a shared machine hits all alike; ``ratio`` is tokens/s over full's. With `short_prompt`, evicting
     policies prefill only the first ``K + r + B`` tokens of the prompt (see the module docstring)."""
-    from common import interleaved, median
-
+    from bench.common import interleaved, median
     from evictor.engine import EvictionEngine
     from evictor.protocol import EvictionConfig
 
     config = EvictionConfig(budget=budget, buffer=buffer, block=block, protect="sinks", seed=seed)
     vocab = lm.model.get_input_embeddings().num_embeddings
     prompt = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
-    rows, engines, prompts = {}, {}, {}
+    rows: dict[str, dict[str, Any]] = {}
+    engines, prompts = {}, {}
     for name in ["full"] + [p for p in policies if p != "full"]:
         engine = EvictionEngine(lm, name, config)
         short = short_prompt and name != "full"

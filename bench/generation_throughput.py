@@ -114,6 +114,7 @@ def measure_model(model: str, settings: list[tuple[str, int]], args) -> tuple[li
     rows = []
     for name in names:
         tok_s = median([r["tok_s"] for r in results[name]])
+        assert tok_s is not None and baseline is not None  # every run measures tok_s
         engine, size = name.split("-")
         rows.append({"model": model, "setting": name, "engine": engine, "batch": int(size), "problems": len(requests),
                      "tokens": results[name][0]["tokens"], "wall_s": median([r["wall_s"] for r in results[name]]),

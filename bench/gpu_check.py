@@ -23,10 +23,14 @@ an out-of-memory error marks the row OOM and skips longer contexts of that setup
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
-from common import BIG, SMALL, build_llama  # common puts the repository on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import BIG, SMALL, build_llama  # noqa: E402
 
 
 def check_against_reference(lm, kernel: str, device) -> str:
@@ -116,6 +120,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         stats = engine.generate([prompt] * args.batch_size, new_tokens, ignore_eos=True).stats
         memory = stats.get("cuda_peak_allocated_bytes", stats.get("peak_rss_bytes"))
+        assert memory is not None  # the engine reports one of the two
         rows.append((name, stats, memory))
         print(f"  {name:<10} prefill {stats['prefill_s']:.2f} s, decode {stats['decode_tokens_per_s']:.2f} tok/s, "
               f"{stats['decode_rounds']} rounds ({(stats['round_share'] or 0):.2%} of decode), peak slots "
@@ -138,8 +143,7 @@ def main() -> None:
 
 def prefill_memory(lm, args, device) -> None:
     """The prefill-memory measurement of `bench/prefill_memory.py` on this full-depth model, written to a CSV."""
-    from prefill_memory import measure, print_table
-
+    from bench.prefill_memory import measure, print_table
     from models.memory import write_rows
 
     if args.prefill_ctx is None:

@@ -34,12 +34,16 @@ import csv
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import ROOT, fixed_prompt, median, set_threads, table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import ROOT, fixed_prompt, median, set_threads, table  # noqa: E402
 
 VENV_PYTHON = ROOT / "bench" / ".venv-kvpress" / "bin" / "python"
 SIDE = ROOT / "bench" / "_kvpress_side.py"
@@ -112,6 +116,7 @@ def kvpress_kept(model_dir: str, prompt: list[int], ratio: float, methods: tuple
 
 def kvscope_kept(lm, prompt: list[int], budget: int, method: Method) -> list[list[list[int]]]:
     """The prompt positions each (layer, KV head) keeps after kvscope's prefill round at budget K = `budget`."""
+    from evictor.cache import SlotLayer
     from evictor.engine import EvictionEngine
     from evictor.protocol import WHOLE_PROMPT, EvictionConfig
 
@@ -120,8 +125,12 @@ def kvscope_kept(lm, prompt: list[int], budget: int, method: Method) -> list[lis
     engine = EvictionEngine(lm, method.policy, config)
     with torch.inference_mode(), engine.session([prompt], [budget]) as session:  # no autograd graph kept
         session.prefill()
-        return [[sorted(p for p in layer.positions[0, head].tolist() if p >= 0)
-                 for head in range(layer.positions.shape[1])] for layer in session.cache.layers]
+        kept: list[list[list[int]]] = []
+        for layer in session.cache.layers:
+            assert isinstance(layer, SlotLayer) and layer.positions is not None  # an EvictingCache layer, prefilled
+            kept.append([sorted(p for p in layer.positions[0, head].tolist() if p >= 0)
+                         for head in range(layer.positions.shape[1])])
+        return kept
 
 
 def compare_kept(lm, model_dir: str, prompt: list[int], ratio: float, methods: tuple[Method, ...] = METHODS,
@@ -155,8 +164,8 @@ def load_side_by_side(name: str, workdir: str):
     if name.startswith("tiny-"):
         directory = save_tiny_model(name.removeprefix("tiny-"), Path(workdir) / name)
         return load_model(directory, dtype="float32", attn_implementation="sdpa"), directory
-    directory, _, _ = locate_weights(name)
-    return load_model(name, dtype="float32", attn_implementation="sdpa"), str(directory)
+    weights_dir, _, _ = locate_weights(name)
+    return load_model(name, dtype="float32", attn_implementation="sdpa"), str(weights_dir)
 
 
 def context_prompt(lm, ctx: int) -> list[int]:
@@ -202,6 +211,7 @@ def speed_command(args: argparse.Namespace) -> None:
     from models.loading import load_model
 
     lm = load_model("smollm2-135m")
+    assert lm.model.name_or_path is not None  # from_pretrained records where the weights were read from
     model_dir = Path(lm.model.name_or_path)
     prompt = fixed_prompt(lm)
     config = EvictionConfig(budget=args.target - args.interval, buffer=args.interval, trigger="interval",

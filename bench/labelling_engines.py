@@ -32,7 +32,7 @@ from core.errors import UsageError  # noqa: E402
 ENGINES = ("hf", "vllm")
 
 
-def label_with(engine_name: str, traces, config, dataset: str, model: str):
+def label_with(engine_name: str, traces, config, dataset: str | None, model: str):
     """(labels, seconds labelling, seconds starting the engine) of `traces` with engine `engine_name`."""
     from labeling.labeler import OcclusionLabeler, label_traces
     from models.loading import load_model
@@ -92,8 +92,8 @@ def _run(argv: list[str] | None) -> int:
         raise UsageError(f"--traces {args.traces!r}: no trace to label (pass --include-incorrect?)")
     models, datasets = {t.model for t in traces}, {t.dataset for t in traces}
     if len(models) != 1 or len(datasets) != 1:
-        raise UsageError(f"--traces {args.traces!r}: the traces name {sorted(models)} and {sorted(datasets)}; give "
-                         "the traces of one model on one dataset")
+        raise UsageError(f"--traces {args.traces!r}: the traces name {sorted(models)} and "
+                         f"{sorted(datasets, key=str)}; give the traces of one model on one dataset")
     model, dataset = models.pop(), datasets.pop()
     if args.threads is not None:
         set_threads(args.threads)

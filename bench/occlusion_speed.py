@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -92,7 +93,8 @@ def _run(argv: list[str] | None) -> int:
 
     naive = OcclusionLabeler.for_model(lm, dataclasses.replace(config, method="naive"), args.dataset)
     fast = OcclusionLabeler.for_model(lm, config, args.dataset)
-    rows, groups = [], []
+    rows: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = []
     print(f"{'trace':<36} {'tokens':>6} {'windows':>7} {'flips':>5} {'naive s':>8}  identical")
     for unit in make_units(traces, args.traces_per_batch):
         start = time.perf_counter()
@@ -107,6 +109,7 @@ def _run(argv: list[str] | None) -> int:
                 print(f"{trace.id[-36:]:<36} skipped: {a.reason} / {b.reason}")
                 continue
             naive_s += seconds
+            assert a.windows is not None  # a labelled record holds its windows
             identical = a == b  # labels, windows with their answers, reference text: everything
             row = {"trace": trace.id, "tokens": a.n_tokens, "windows": len(a.windows),
                    "flips": sum(w["flipped"] for w in a.windows), "naive_s": seconds, "identical": identical}

@@ -34,7 +34,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -66,7 +66,12 @@ class Scoring:
         return out
 
 
-def _candidates(batch: int, n_kv: int, n: int, device) -> dict[str, torch.Tensor]:
+class _Candidates(TypedDict):
+    positions: torch.Tensor
+    candidate_mask: torch.Tensor
+
+
+def _candidates(batch: int, n_kv: int, n: int, device) -> _Candidates:
     positions = torch.arange(n, device=device).expand(batch, n_kv, n)
     return {"positions": positions, "candidate_mask": torch.ones((), dtype=torch.bool, device=device).expand(
         batch, n_kv, n)}
@@ -149,12 +154,14 @@ def measure(lm, contexts, *, batch: int = 1, target_layers: int | None = None,
             row.update(layers=depth, extrapolated=False, layer_score_mb=None if scores is None else scores / MB)
             rows.append(row)
             if deeper and not row["measured"]:
+                assert target_layers is not None  # deeper
                 # not run: at the target depth it needs at least its weights and the maps it keeps
                 maps = attention_map_bytes(model, setup, row["ctx"], batch)
                 maps = maps * target_layers // depth if setup.output_attentions else maps
                 row["target_floor_mb"] = (resident + (target_layers - depth) * weights + maps) / MB
             if not deeper or row["oom"]:
                 continue
+            assert target_layers is not None and scores is not None  # deeper, and not an OOM row
             grown = (target_layers - depth) * (layer_bytes(model, setup, row["ctx"], batch) + scores)
             rows.append({**row, "layers": target_layers, "extrapolated": True, "measured": False,
                          "peak_mem_mb": row["peak_mem_mb"] + grown / MB,
@@ -211,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import psutil
-    from common import BIG, build_llama
 
+    from bench.common import BIG, build_llama
     from core.rundir import RunDir
     from models.loading import default_device
     from models.memory import write_rows

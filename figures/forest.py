@@ -53,7 +53,7 @@ def plot_forest(data, *, label: str = "label", value: str = "estimate", low: str
                          "be unique")
     require_ci(df, value, FIGURE, low=low, high=high)
     groups = df[group].fillna("-").astype(str) if group else None
-    names = in_order(groups) if group else [None]
+    names = in_order(groups) if groups is not None else [None]
     y = np.arange(len(df))[::-1]
     with figure_style():
         fig, ax = new_figure(size=(6.4, max(2.0, 1.2 + ROW_INCHES * len(df))))

@@ -13,6 +13,7 @@ import argparse
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
+from matplotlib.artist import Artist
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
@@ -69,8 +70,8 @@ def plot_head_set_retrieval(data, *, ci_level: float = 0.95, title: str | None =
             above = high if np.isfinite(high) else value
             ax.annotate(f"{value:.2f}", (xi, above), xytext=(0, 3), textcoords="offset points", ha="center",
                         va="bottom", fontsize=9)
-        handles = [Patch(facecolor=colour_of[n], edgecolor="black", label=f"{n} head{'' if n == 1 else 's'}")
-                   for n in sizes]
+        handles: list[Artist] = [Patch(facecolor=colour_of[n], edgecolor="black",
+                                       label=f"{n} head{'' if n == 1 else 's'}") for n in sizes]
         if has_recall:
             ax.plot(ticks + 0.36, df["R"], linestyle="none", marker="D", markersize=6,
                     color=OKABE_ITO["vermillion"], markeredgecolor="black", zorder=4)

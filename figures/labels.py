@@ -32,9 +32,11 @@ def label_points(ax: Axes, labels: Sequence[tuple[float, float, str, dict]], *, 
     Returns the annotation artists.
     """
     fig = ax.get_figure(root=True)
+    assert fig is not None  # an Axes made by a figure belongs to it
     if not hasattr(fig.canvas, "get_renderer"):
         FigureCanvasAgg(fig)
     fig.draw_without_rendering()  # settles constrained layout, so display positions are the final ones
+    assert hasattr(fig.canvas, "get_renderer")  # an Agg canvas was attached above where it had none
     renderer = fig.canvas.get_renderer()
     to_display = ax.transData.transform
     occupied = [_point_box(to_display((x, y))) for x, y, _, _ in labels]

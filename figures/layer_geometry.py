@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
@@ -73,7 +74,7 @@ def plot_layer_geometry(data, *, title: str | None = None):
         bottom.set_ylim(-0.03, 1.03)
         bottom.set_xlabel("Layer index")
         bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-        handles = [Line2D([], [], color=c, marker=m, label=lab) for _, _, lab, c, m in series]
+        handles: list[Artist] = [Line2D([], [], color=c, marker=m, label=lab) for _, _, lab, c, m in series]
         if mixed:
             handles += [Patch(color=FULL_SHADE, label="full-attention layer (filled marker)"),
                         Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="none",

@@ -13,6 +13,7 @@ import argparse
 
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
@@ -121,7 +122,7 @@ def plot_layer_rho(
             ax.text((first + last) / 2, 0.985, f"{'+' if sign > 0 else '−'} {span}",
                     transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=9)
         ax.axhline(0.0, color="black", linewidth=0.8, zorder=1)
-        handles = []
+        handles: list[Artist] = []
         for i, signal in enumerate(signals):
             style = series_style(i)
             rows = df[df["signal"] == signal].sort_values("layer")

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.rcsetup import cycler
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 # Okabe & Ito (2008), the standard colour-blind-safe qualitative palette; yellow last, it is faint on white paper.
 OKABE_ITO = {
@@ -42,7 +47,7 @@ BASE_FONT_PT = 10
 SMALL_FONT_PT = 9  # the floor: nothing in a kvscope figure is smaller
 SINGLE_PANEL = (6.4, 4.0)  # inches; a full-width figure in a one-column paper
 
-RC = {
+RC: dict[RcKeyType, Any] = {
     "font.size": BASE_FONT_PT,
     "axes.titlesize": BASE_FONT_PT + 1,
     "axes.labelsize": BASE_FONT_PT,
@@ -56,7 +61,7 @@ RC = {
     "grid.linewidth": 0.6,
     "axes.spines.top": False,
     "axes.spines.right": False,
-    "axes.prop_cycle": matplotlib.cycler(color=PALETTE),
+    "axes.prop_cycle": cycler(color=PALETTE),
     "lines.linewidth": 1.6,
     "lines.markersize": 5.5,
     "errorbar.capsize": 3,

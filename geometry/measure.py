@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from geometry.attention import layer_attention
 from geometry.stats import (
@@ -33,6 +33,9 @@ from geometry.stats import (
 from models.attention import LayerSpec
 from models.hooks import capture, decoder_layers, hook_name, layer_specs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 KEY_SPACES = ("post_rope", "pre_rope")
 # ValueDiff keeps the leading token at a budget of f of the context (1.0 / 0.0 per sequence), per fraction f
 FIRST_FIELDS = tuple(f"valuediff_first_k{round(100 * f)}" for f in FIRST_KEPT_FRACTIONS)
@@ -48,7 +51,7 @@ class MeasureSettings:
     chunk: int = 256
 
 
-def weight_norms(model: nn.Module) -> dict[str, list]:
+def weight_norms(model: PreTrainedModel) -> dict[str, list]:
     """Data-free spectral norms of each layer's k_proj / v_proj weights, whole and per KV-head block of rows.
 
     Returns ``w_k``, ``w_v`` (``[layer]``) and ``w_k_head``, ``w_v_head`` (``[layer][kv_head]``). QK-norm scales
@@ -57,15 +60,16 @@ def weight_norms(model: nn.Module) -> dict[str, list]:
     n_kv = model.config.num_key_value_heads
     norms: dict[str, list] = {"w_k": [], "w_v": [], "w_k_head": [], "w_v_head": []}
     for layer in decoder_layers(model):
-        for name, proj in (("k", layer.self_attn.k_proj), ("v", layer.self_attn.v_proj)):
-            weight = proj.weight.detach().double()  # [kv_head * d_head, d_model]
+        for name in ("k", "v"):
+            # [kv_head * d_head, d_model]
+            weight = layer.get_parameter(f"self_attn.{name}_proj.weight").detach().double()
             norms[f"w_{name}"].append(top_singular_value(weight).item())
             blocks = weight.view(n_kv, -1, weight.shape[-1])  # [kv_head, d_head, d_model]
             norms[f"w_{name}_head"].append(top_singular_value(blocks).tolist())
     return norms
 
 
-def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def attention_inputs(model: PreTrainedModel, input_ids: torch.Tensor) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Run one forward on ``input_ids`` ``[1, T]`` and yield, layer by layer, the tensors attention used.
 
     Each item is ``(layer, {"q": [q_head, T, d] post-RoPE, "k": [kv_head, T, d] post-RoPE,
@@ -84,7 +88,7 @@ def attention_inputs(model: nn.Module, input_ids: torch.Tensor) -> Iterator[tupl
         yield layer, tensors
 
 
-def measure_sequence(model: nn.Module, input_ids: torch.Tensor, settings: MeasureSettings) -> dict[str, list]:
+def measure_sequence(model: PreTrainedModel, input_ids: torch.Tensor, settings: MeasureSettings) -> dict[str, list]:
     """All per-head statistics of one calibration sequence ``[1, T]``.
 
     Returns lists indexed ``[layer][kv_head]`` for `KV_FIELDS` and ``[layer][q_head]`` for `Q_FIELDS`

@@ -174,17 +174,17 @@ def _windowed_overlaps(
     """
     heads, n, _ = scores.shape
     device = scores.device
-    positions = positions.tolist()
+    times: list[int] = positions.tolist()
     overlap = torch.zeros(heads, n, n, dtype=torch.float64, device=device)
     defined = torch.zeros(n, n, dtype=torch.bool, device=device)
     for i in range(n - 1):
-        end = positions[i]
-        starts = [max(0, t - window + 1) for t in positions[i + 1 :]]
-        later = [i + 1 + offset for offset, start in enumerate(starts) if end - start >= k]
-        if not later:
+        end = times[i]
+        window_starts = [max(0, t - window + 1) for t in times[i + 1 :]]
+        later_ids = [i + 1 + offset for offset, start in enumerate(window_starts) if end - start >= k]
+        if not later_ids:
             continue
-        starts = torch.tensor([starts[j - i - 1] for j in later], device=device)
-        later = torch.tensor(later, device=device)
+        starts = torch.tensor([window_starts[j - i - 1] for j in later_ids], device=device)
+        later = torch.tensor(later_ids, device=device)
         first = int(starts.min())
         outside = torch.arange(first, end, device=device)[None, :] < starts[:, None]  # [n_later, width]: not shared
         earlier_rows = scores[:, i : i + 1, first:end].masked_fill(outside, float("-inf"))  # [heads, n_later, width]

@@ -62,6 +62,7 @@ class GeometryAccumulator:
         """Per-head means: ``[layer, kv_head]`` for `KV_FIELDS`, ``[layer, q_head]`` for alpha_bos, sink, jaccard."""
         if not self.count:
             raise ValueError("no sequences were added")
+        assert self.jaccard_count is not None  # set by every `add`
         means = {name: value / self.count for name, value in self.sums.items() if name != "jaccard"}
         with np.errstate(invalid="ignore", divide="ignore"):
             means["jaccard"] = np.where(self.jaccard_count > 0, self.sums["jaccard"] / self.jaccard_count, np.nan)

@@ -87,7 +87,8 @@ def find_bands(
     if not len(layers) == len(rho) == len(significant):
         raise ValueError("layers, rho and significant must have the same length")
     order = np.argsort(np.asarray(layers, dtype=np.int64), kind="stable")
-    bands, run = [], []  # run: list of (layer, rho)
+    bands: list[Band] = []
+    run: list[tuple[int, float]] = []  # (layer, rho)
 
     def close():
         if len(run) >= min_length:
@@ -122,7 +123,7 @@ def choose_layers(bands: Sequence[Band], mode: str = "peak") -> tuple[tuple[int,
     """
     if mode not in BAND_LAYER_MODES:
         raise unknown_choice("band layer mode", mode, BAND_LAYER_MODES)
-    chosen = []
+    chosen: list[tuple[int, ...]] = []
     for sign in (1, -1):
         band = strongest(bands, sign)
         if band is None:

@@ -204,8 +204,8 @@ def cache_check(a: Run, b: Run, cell_a, cell_b, ids: list[str], allow_unequal: b
     """The peak cache columns of a comparison row; unequal peaks on a paired problem where both cells evicted are a
     `UsageError` naming both peaks, unless `allow_unequal` (a dense `full` cell is exempt: the unlimited reference)."""
     pa, pb = a.peaks.get(cell_a, {}), b.peaks.get(cell_b, {})
-    peak_a = max((pa[i] for i in ids if pa.get(i) is not None), default=None)
-    peak_b = max((pb[i] for i in ids if pb.get(i) is not None), default=None)
+    peak_a = max((p for p in map(pa.get, ids) if p is not None), default=None)
+    peak_b = max((p for p in map(pb.get, ids) if p is not None), default=None)
     both = [i for i in ids if pa.get(i) is not None and pb.get(i) is not None]
     unequal = [i for i in both if pa[i] != pb[i]]
     equal = None if not both else not unequal

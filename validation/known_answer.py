@@ -278,8 +278,8 @@ def finding_scorer(auc: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None
     *and* above the filler, and a score that grows with position passes the first by construction (every decoy
     precedes the needed note) but not the second. None when no row has both AUCs, or none is above chance (0.5)."""
     def lower(row: Mapping[str, Any]) -> float:
-        values = [row.get("auc_decoy"), row.get("auc_filler")]
-        return min(values) if all(isinstance(v, float) and math.isfinite(v) for v in values) else float("nan")
+        values = [v for v in (row.get("auc_decoy"), row.get("auc_filler")) if isinstance(v, float) and math.isfinite(v)]
+        return min(values) if len(values) == 2 else float("nan")
 
     defined = [row for row in auc if math.isfinite(lower(row))]
     best = max(defined, key=lower, default=None)

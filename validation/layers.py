@@ -217,6 +217,7 @@ def resolve_setup(names: list[str], config: LayersConfig) -> BandSetup | None:
         return None
     family = config.family or (BAND_POLICY_SIGNAL if BAND_POLICY_SIGNAL in families else None)
     family = _pick("layered signal family", family, families, "--family")
+    assert family is not None  # families is not empty
     transforms = sorted({p.transform for p in parsed if p.family == family and p.layer is not None})
     detrended_options = [t for t in transforms if t.startswith("z")]
     raw_options = [t for t in transforms if not t.startswith("z")]
@@ -229,8 +230,10 @@ def resolve_setup(names: list[str], config: LayersConfig) -> BandSetup | None:
     detrended = config.detrended_transform or _pick(f"detrended transform of {family!r}", None,
                                                     [t for t in detrended_options if t not in given | {raw}],
                                                     "--detrended-transform")
-    scored = raw or detrended  # at least one exists: every transform is either raw or detrended
+    scored = raw or detrended
+    assert scored is not None  # at least one exists: every transform is either raw or detrended
     band = _pick(f"transform of {family!r}", config.band_transform or scored, transforms, "--band-transform")
+    assert band is not None  # transforms is not empty: the family has a layered signal
     digits = re.search(r"(\d+)$", scored)
     window = config.window or (int(digits.group(1)) if digits else DEFAULT_WINDOW)
     return BandSetup(family, raw, detrended, band, window)
@@ -313,14 +316,16 @@ def analyse(aligned: Aligned, config: LayersConfig, bands: bool = True) -> Layer
             result.combined_rows = _combined_rows(aligned, setup, *result.layers, config)
         result.positional = _positional_rows(rows, result.combined_rows, setup)
     result.scorers = rank_scorers(rows + result.combined_rows)
-    if result.combined_rows and all(result.layers) and setup.family == BAND_POLICY_SIGNAL:
-        result.band_policies = _band_policies(result, aligned, config)
-        if result.band_policies:
-            # Scorer selection between the raw and detrended combined score: the higher within-trace rho wins (§3.2);
-            # a tie goes to the detrended score, EpiKV's primary method.
-            chosen = max(reversed(result.band_policies), key=lambda name: _finite_or_worst(
-                next(r for r in result.combined_rows if r["signal"] == name)["within_rho"]))
-            result.policy = result.band_policies[chosen]
+    if result.combined_rows:
+        assert setup is not None and result.layers is not None  # combined scores come from the chosen band layers
+        if all(result.layers) and setup.family == BAND_POLICY_SIGNAL:
+            result.band_policies = _band_policies(result, aligned, config)
+            if result.band_policies:
+                # Scorer selection between the raw and detrended combined score: the higher within-trace rho wins
+                # (§3.2); a tie goes to the detrended score, EpiKV's primary method.
+                chosen = max(reversed(result.band_policies), key=lambda name: _finite_or_worst(
+                    next(r for r in result.combined_rows if r["signal"] == name)["within_rho"]))
+                result.policy = result.band_policies[chosen]
     return result
 
 
@@ -348,11 +353,12 @@ def _band_policies(result: LayersResult, aligned: Aligned, config: LayersConfig)
     a rolling-mean transform is epikv_raw's score, a rolling-z one epikv's); none for a combined score no policy
     computes (signals smoothed otherwise, e.g. raw g, would configure a score nobody measured)."""
     setup = result.setup
+    assert setup is not None and result.layers is not None  # only called on the combined scores of a band
     positive, negative = result.layers
     combined = {r["signal"]: r for r in result.combined_rows}
-    candidates = [(band_policy(transform), combined.get(_combined_name(setup, transform)))
-                  for transform in (setup.raw, setup.detrended) if transform is not None]
-    candidates = [(p, r) for p, r in candidates if p is not None and r is not None]
+    options = [(band_policy(transform), combined.get(_combined_name(setup, transform)))
+               for transform in (setup.raw, setup.detrended) if transform is not None]
+    candidates = [(p, r) for p, r in options if p is not None and r is not None]
 
     def summary(row: dict) -> dict:
         keys = ("signal", "within_rho", "within_lo", "within_hi", "within_t_lo", "within_t_hi", "within_boot_lo",

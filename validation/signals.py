@@ -166,7 +166,8 @@ def read_labels(path: str | os.PathLike, correct_only: bool = False) -> tuple[li
     Returns the traces and how many records were left out, by reason ("status <s>", "not correct").
     """
     path = Path(path)
-    traces, skipped = [], Counter()
+    traces: list[LabelTrace] = []
+    skipped: Counter[str] = Counter()
     for number, record in enumerate(read_records(path, Label), start=1):
         where = f"{path}: record {number}"
         if not record.labelled:
@@ -277,6 +278,7 @@ def read_signals(path: str | os.PathLike) -> SignalSet:
                                                                        where)))
     if len(hooks) > 1:
         raise UsageError(f"{path}: records read hidden states at different hooks ({', '.join(map(str, hooks))})")
+    assert names is not None  # read_records refuses a file without records
     return SignalSet(names, traces, policies, hooks.pop())
 
 

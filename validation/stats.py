@@ -385,8 +385,8 @@ def stratified_spearman(x: Any, strata: list[tuple[Any, Any]], level: float = 0.
     nan = float("nan")
     if not strata_k:
         return RankTest(nan, nan, nan, nan, nan, False, 0, k, n_points, 0, n_boot, 0)
-    observed, n_strata = _mean_over_strata(xs[None, :], strata_k)
-    rho, n_strata = float(observed[0]), int(n_strata[0])
+    observed, n_defined = _mean_over_strata(xs[None, :], strata_k)
+    rho, n_strata = float(observed[0]), int(n_defined[0])
     if not math.isfinite(rho):
         return RankTest(nan, nan, nan, nan, nan, False, 0, k, n_points, n_strata, n_boot, 0)
     rng = np.random.default_rng(seed)
