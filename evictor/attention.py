@@ -70,8 +70,11 @@ class AttentionFeed:
 
     @staticmethod
     def slot_tensors(window: int, refresh: float | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        tensors = {AttentionFeed.SUM: ((), torch.float32)} if window == 0 else {
-            AttentionFeed.ROWS: ((window,), torch.float32)}
+        tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+        if window == 0:
+            tensors = {AttentionFeed.SUM: ((), torch.float32)}
+        else:
+            tensors = {AttentionFeed.ROWS: ((window,), torch.float32)}
         if refresh is not None:
             tensors[AttentionFeed.REFRESHED] = ((), torch.float32)  # positions, exact in float32 below 2**24
         return tensors
@@ -103,6 +106,8 @@ class AttentionFeed:
         store = self.cache.layers[layer]
         spec = self.specs[layer]
         positions = self.cache.pending_positions  # [b, Q], -1 = padding
+        # inside the forward: the engine gave its positions (begin_forward) and the layer's update filled the cache
+        assert positions is not None and store.positions is not None and store.keys is not None
         visible = visible_by_position(positions, store.positions, store.sliding_window)  # [b, kv_head, Q, slots]
         if self.group == "max_logits":
             logits = attention_logits(queries, store.keys, scaling=spec.scaling, softcap=spec.softcap, visible=visible)
@@ -115,6 +120,7 @@ class AttentionFeed:
         if self.window == 0:
             store.extra[self.SUM][..., :slots] += rows.sum(2)
         else:
+            assert self.ring is not None  # a feed with a query window keeps a ring
             ring = self.ring.slots_for(rows.shape[2]).to(rows.device)
             store.extra[self.ROWS][:, :, ring, :slots] = rows[:, :, -ring.numel():]
         if self.refresh is not None:
@@ -140,6 +146,8 @@ class AttentionFeed:
         self.requests += 1
         store = self.cache.layers[layer]
         if self.window == 0:
+            assert self.latest is not None  # set by end_forward, and a round follows a forward
             return store.slot_tensor(self.SUM)[:, :, None, lo:hi], self.latest
+        assert self.ring is not None  # a feed with a query window keeps a ring
         order = self.ring.order().to(store.extra[self.ROWS].device)
         return store.slot_tensor(self.ROWS)[:, :, order, lo:hi], self.ring.positions[:, order]

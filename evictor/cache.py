@@ -52,12 +52,13 @@ class SlotLayer(CacheLayerMixin):
         self.extra: dict[str, torch.Tensor] = {}
 
     # --- views -------------------------------------------------------------------------------------------------
+    # CacheLayerMixin declares keys/values as plain attributes; here they are read-only views of the storage
     @property
-    def keys(self) -> torch.Tensor | None:
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
         return None if self._k is None else self._k[:, :, : self.length]
 
     @property
-    def values(self) -> torch.Tensor | None:
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
         return None if self._v is None else self._v[:, :, : self.length]
 
     @property
@@ -99,9 +100,12 @@ class SlotLayer(CacheLayerMixin):
         start, end = self.length, self.length + n
         if end > self.capacity:
             self._resize(max(end, 2 * self.capacity))
+        assert self._k is not None and self._v is not None and self._pos is not None  # allocated at the first update
         self._k[:, :, start:end] = key_states
         self._v[:, :, start:end] = value_states
-        self._pos[:, :, start:end] = self.owner.pending_positions[:, None, :]
+        pending = self.owner.pending_positions
+        assert pending is not None  # the engine calls begin_forward before every forward
+        self._pos[:, :, start:end] = pending[:, None, :]
         for tensor in self.extra.values():
             tensor[..., start:end] = 0
         self.length = end
@@ -120,6 +124,9 @@ class SlotLayer(CacheLayerMixin):
     def compact(self, index: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep, per (sequence, head), the slots `index` ``[b, kv, new_slots]`` (valid where `valid`), in that order."""
         new = index.shape[-1]
+        # a round compacts a layer its forward already filled
+        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self.keys is not None and self.values is not None and self.positions is not None
         d = self._k.shape[-1]
         keys = torch.gather(self.keys, 2, index[..., None].expand(-1, -1, -1, d))
         values = torch.gather(self.values, 2, index[..., None].expand(-1, -1, -1, self._v.shape[-1]))
@@ -141,6 +148,7 @@ class SlotLayer(CacheLayerMixin):
 
     def _resize(self, capacity: int, copy: bool = True) -> None:
         keep = min(self.length, capacity) if copy else 0
+        assert self._k is not None and self._v is not None and self._pos is not None  # resized once allocated
 
         def moved(tensor: torch.Tensor, fill: float) -> torch.Tensor:
             fresh = torch.full((*tensor.shape[:-1], capacity), fill, dtype=tensor.dtype, device=tensor.device)
@@ -157,6 +165,9 @@ class SlotLayer(CacheLayerMixin):
 
 class EvictingCache(Cache):
     """Per-layer `SlotLayer`s for a model config; `capacity` is the initial (and steady-state) slot capacity."""
+
+    # every layer is a SlotLayer (built in __init__); transformers types the list as its own layer kinds
+    layers: list[SlotLayer]  # type: ignore[assignment]
 
     def __init__(self, config, capacity: int,
                  slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):

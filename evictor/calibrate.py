@@ -91,6 +91,7 @@ def _run(argv: list[str] | None) -> int:
     else:
         from evictor.calibration.thinkv import calibrate_thinkv
 
+        assert band_order is not None  # read above for thinkv, the only other method
         record = calibrate_thinkv(lm, traces, tau=args.tau, band_order=band_order, max_tokens=args.max_tokens,
                                   progress=progress)
     record["source"] = {"traces": str(Path(args.traces).resolve()), "loaded_model": lm.describe()}

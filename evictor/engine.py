@@ -186,8 +186,8 @@ class EvictionEngine:
                 block = [prefix[start : min(start + forced_block, shared)] for prefix in forced]
                 with require_flash(self.model, "the eviction engine's forced blocks", when=start == 0):
                     logits = session.append(torch.tensor(block, dtype=torch.long))
-                for seq, tokens in enumerate(block):
-                    generated[seq].extend(tokens)
+                for seq, chunk in enumerate(block):
+                    generated[seq].extend(chunk)
             for index in range(shared, steps):
                 tokens = pick_tokens(logits, temperature, top_p, sampler)
                 for seq, prefix in enumerate(forced):
@@ -252,7 +252,7 @@ class Session:
         self.n_kv = cfg.num_key_value_heads
         self.n_rep = cfg.num_attention_heads // self.n_kv
         window = engine.query_window or 0
-        slot_tensors = {}
+        slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         if self.engine.observes:
             slot_tensors[FROZEN] = ((), torch.float32)
         refresh = engine.needs.refresh_threshold
@@ -306,7 +306,9 @@ class Session:
         if self.engine.has_sliding:
             for index, block in enumerate(decoder_layers(self.model)):
                 if self.cache.layers[index].is_sliding:
-                    handle = block.self_attn.register_forward_pre_hook(self._sliding_mask_hook(index), with_kwargs=True)
+                    # nn.Module.__getattr__ types a submodule as Tensor | Module
+                    handle = block.self_attn.register_forward_pre_hook(  # type: ignore[union-attr]
+                        self._sliding_mask_hook(index), with_kwargs=True)
                     stack.callback(handle.remove)
         return self
 
@@ -339,6 +341,7 @@ class Session:
             self._after_forward(boundary=True)
         self.wall["prefill_s"] = self._now() - start_time
         self.memory.sample()
+        assert logits is not None  # every prompt has a token, so at least one block ran
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -416,6 +419,7 @@ class Session:
         cached = torch.arange(slots, device=self.device)[None, :] >= torch.tensor(
             [slots - v for v in self.n_valid], device=self.device
         )[:, None]
+        assert self.pending is not None  # _forward sets it before building the mask
         return torch.cat([cached, self.pending >= 0], dim=1)
 
     def _observe(self, start: int, positions: torch.Tensor) -> None:
@@ -423,6 +427,7 @@ class Session:
         scores = None
         for layer, store in enumerate(self.cache.layers):
             if layer == 0 or not self.policy.layer_independent:
+                assert store.keys is not None and store.values is not None  # the forward just filled every layer
                 scores = self.policy.observe(
                     ObserveInputs(
                         layer=layer,
@@ -483,6 +488,7 @@ class Session:
             with self.timer.span(f"{phase}.compact"):
                 for store, (index, valid) in zip(self.cache.layers, picks):
                     if self.keep_log is not None:
+                        assert store.positions is not None  # a round follows a forward, which filled every layer
                         self.keep_log.add(store.layer_idx, store.positions, index, valid)
                     store.compact(index, valid)
         self.n_valid = list(plan.n_keep)
@@ -503,10 +509,13 @@ class Session:
         needs = self.engine.needs
         store = self.cache.layers[layer]
         lo, hi = span
+        # a round (or a replay) follows a forward, which filled every layer
+        assert store.positions is not None and store.keys is not None and store.values is not None
         positions = store.positions[:, :, lo:hi]
         shape = positions.shape
         attention = query_positions = refreshed = None
         if needs.attention:
+            assert self.feed is not None  # the session makes a feed for every policy that needs attention
             attention, query_positions = self.feed.rows(layer, lo, hi)
             if needs.refresh_threshold is not None:
                 refreshed = self.feed.refreshed(layer, lo, hi)
@@ -547,6 +556,8 @@ class Session:
         # Never attended again by any future query of this layer: evicted first, unless the keep set is shared with
         # other layers, where it may still be read (keep sets must stay equal across layers).
         if store.is_sliding and not self.engine.shared_layers:
+            # a sliding layer has a window, and a round follows a forward, which filled every layer
+            assert store.sliding_window is not None and store.positions is not None
             stale = (next_pos[:, None, None] - store.positions[:, :, lo:hi]) >= store.sliding_window
             scores = scores.masked_fill(stale, info.min)
         priority = base.expand(shape[0], shape[1], store.length).clone()

@@ -35,9 +35,9 @@ class SpanTimer:
             end.record()
             self._spans[name].append((start, end))
         else:
-            start = time.perf_counter()
+            began = time.perf_counter()
             yield
-            self._spans[name].append(time.perf_counter() - start)
+            self._spans[name].append(time.perf_counter() - began)
 
     def seconds(self, name: str) -> list[float]:
         spans = self._spans.get(name, [])

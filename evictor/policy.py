@@ -90,7 +90,12 @@ def select_policies(text: str | None, configured: Mapping[str, Any],
 
 def left_out_line(left_out: Sequence[str], flag: str = "--policy") -> str:
     """One line naming the calibrated policies ``all`` left out and how to include them."""
-    commands = "; ".join(f"`{calibrate_command(POLICIES[name].method)}`" for name in left_out)
+    calls = []
+    for name in left_out:
+        policy = POLICIES[name]
+        assert issubclass(policy, CalibratedPolicy)  # `all` leaves out calibrated policies only
+        calls.append(f"`{calibrate_command(policy.method)}`")
+    commands = "; ".join(calls)
     return (f"{flag} all leaves out {', '.join(left_out)}: each needs a per-model calibration file ({commands}); "
             'include one with --policy-config FILE holding {"policy": NAME, "params": {"calibration": "CALIBRATION '
             'FILE"}}')

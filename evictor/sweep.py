@@ -302,8 +302,10 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
     config.check()
     generation = config.generation
     limits = generation.limits()
-    for budget in (b for b in config.budgets if b.tokens is not None):
-        limits.check_tokens(f"--budget {budget}", budget.tokens, "the cache could never fill, so no cell would evict")
+    for budget in config.budgets:
+        if budget.tokens is not None:
+            limits.check_tokens(f"--budget {budget}", budget.tokens,
+                                "the cache could never fill, so no cell would evict")
     limits.check_flags(token_flags(config.protocol_settings))
     cells = sweep_cells(config)  # an unknown --policy-config parameter is refused before --out is claimed
     reference = reference_lengths(config.reference, generation.model) if config.reference is not None else None
@@ -371,9 +373,9 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
             todo = [p for p in problems if p.id not in stores[cell.label]]
             for start in range(0, len(todo), config.batch_size):
                 chunk = todo[start : start + config.batch_size]
-                budgets = problem_budgets(cell, chunk, reference, generation.max_new_tokens)
+                chunk_budgets = problem_budgets(cell, chunk, reference, generation.max_new_tokens)
                 forced = [scripts[p.id] or [] for p in chunk]
-                batches.append(Batch(cell, tuple(chunk), [prompts[p.id] for p in chunk], budgets,
+                batches.append(Batch(cell, tuple(chunk), [prompts[p.id] for p in chunk], chunk_budgets,
                                      forced if any(forced) else None))
         total = len(cells) * len(problems)
         say = (lambda *_: None) if quiet else tqdm.write
@@ -395,14 +397,12 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
 
             def progress(batch: Batch, decoded: DecodedBatch) -> None:
                 bar.update(len(batch.problems))
-                say(
-                    f"[{batch.cell.label}] "
-                    + "; ".join(
-                        f"{t.id}: {'correct' if t.correct else 'wrong'} ({len(t.generated_ids)} tok, "
-                        f"{t.eviction['rounds']} rounds)"
-                        for t in decoded.traces
-                    )
-                )
+                done = []
+                for t in decoded.traces:
+                    assert t.eviction is not None  # run_batch sets every trace's eviction fields
+                    done.append(f"{t.id}: {'correct' if t.correct else 'wrong'} ({len(t.generated_ids)} tok, "
+                                f"{t.eviction['rounds']} rounds)")
+                say(f"[{batch.cell.label}] " + "; ".join(done))
 
             run_units(
                 batches,

@@ -142,10 +142,12 @@ def attention_module_hooks(model, make_hook, *, pre: bool = False) -> Iterator[N
     handles = []
     try:
         for layer, block in enumerate(decoder_layers(model)):
+            # nn.Module.__getattr__ types a submodule as Tensor | Module
             if pre:
-                handles.append(block.self_attn.register_forward_pre_hook(make_hook(layer), with_kwargs=True))
+                handles.append(block.self_attn.register_forward_pre_hook(  # type: ignore[union-attr]
+                    make_hook(layer), with_kwargs=True))
             else:
-                handles.append(block.self_attn.register_forward_hook(make_hook(layer)))
+                handles.append(block.self_attn.register_forward_hook(make_hook(layer)))  # type: ignore[union-attr]
         yield
     finally:
         for handle in handles:

@@ -66,10 +66,10 @@ def check_band_order(order: tuple[str, ...] | list[str]) -> tuple[str, str, str]
 
 def load_thinkv(path: str, policy: str) -> ThinKVStats:
     data = read_calibration(path, METHOD, policy)
-    order = check_band_order(data["band_order"])
+    low, middle, high = check_band_order(data["band_order"])
     return ThinKVStats(path=path, model=data["model"], n_layers=data["n_layers"], tau=data["tau"],
                        thresholds=torch.tensor(data["thresholds"], dtype=torch.float32),
-                       band_types=tuple(TYPES.index(kind) for kind in order))
+                       band_types=(TYPES.index(low), TYPES.index(middle), TYPES.index(high)))
 
 
 def attention_sparsity(attn: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -75,7 +76,7 @@ class RandomAttention(Policy):
         "KV head at every round, the prompt forced in. Draws come from the run's seeded generator, on (0, 1]."
     )
     default_protection = "prompt"
-    defined_for = ("prompt",)
+    defined_for: ClassVar[tuple[str, ...] | None] = ("prompt",)  # None in a variant without the prompt rule
     defined_by = "Random Attention §3.2: prompt s_i = +inf; random_unprotected is the method without the rule"
 
     def score(self, inputs: ScoreInputs) -> torch.Tensor:

@@ -137,7 +137,7 @@ class ThinKV(CalibratedPolicy):
     default_protection = "none"
 
     def __post_init__(self) -> None:
-        self.budgets = tuple(int(b) for b in self.budgets)  # type: ignore[assignment]  (a JSON config gives a list)
+        self.budgets = tuple(int(b) for b in self.budgets)  # type: ignore[assignment]  # a JSON config gives a list
         if len(self.budgets) != len(TYPES) or min(self.budgets) < 0:
             raise UsageError(f"{self.name}: budgets must be three token counts >= 0 (R, E, T), got {self.budgets}")
         if self.tau < 1:
