@@ -256,7 +256,8 @@ def _run_on_ray(units, make_worker, work, config: BackendConfig, on_result, prog
         while committed < len(units):
             while idle and queue:
                 actor, index = idle.pop(), queue.popleft()
-                running[actor.run.remote(units[index])] = (actor, index)
+                # ray types a handle as `ActorHandle[_Host] | type[_Host]`, so its methods lack `.remote` to mypy
+                running[actor.run.remote(units[index])] = (actor, index)  # type: ignore[union-attr]
             (ref,), _ = ray.wait(list(running), num_returns=1)
             actor, index = running.pop(ref)
             try:
@@ -292,7 +293,7 @@ def _run_on_ray(units, make_worker, work, config: BackendConfig, on_result, prog
                 progress(units[index], result)
     finally:
         for actor in actors:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # an actor handle, typed by ray as above
 
 
 def _last_line(err: Exception, width: int = 200) -> str:

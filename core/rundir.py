@@ -146,9 +146,9 @@ class RunDir:
             if same:
                 break
             os.close(fd)
-        holder = {"pid": os.getpid(), "command": shlex.join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        ours = {"pid": os.getpid(), "command": shlex.join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder).encode())
+        os.write(fd, json.dumps(ours).encode())
         self._fd = fd
 
     def release(self) -> None:

@@ -69,9 +69,10 @@ def layer_spec(module: nn.Module, config, index: int) -> LayerSpec:
         index=index,
         kind=kind,
         window=config.sliding_window if kind == SLIDING_ATTENTION else None,
-        scaling=float(module.scaling),
+        # torch types a module's attributes as tensors or submodules; `scaling` is a plain float
+        scaling=float(module.scaling),  # type: ignore[arg-type]
         softcap=getattr(module, "attn_logit_softcapping", None) if family.softcap else None,
-        sinks=module.sinks.detach() if family.sinks else None,
+        sinks=module.get_parameter("sinks").detach() if family.sinks else None,
     )
 
 

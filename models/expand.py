@@ -18,12 +18,13 @@ import time
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from core.errors import UsageError
 from models.lm import LoadedModel
 
 
-def expand_kv_heads(model: nn.Module) -> nn.Module:
+def expand_kv_heads(model: PreTrainedModel) -> PreTrainedModel:
     """Give `model` (a transformers causal LM) one KV head per query head, in place; returns `model`.
 
     Raises `UsageError` for attention layouts whose expansion would not be exact: query heads that are not a whole
@@ -48,8 +49,10 @@ def expand_kv_heads(model: nn.Module) -> nn.Module:
                              f"{norm.weight.numel()} features, not one head of {attention.head_dim}")
     for attention in attentions:
         for projection in (attention.k_proj, attention.v_proj):
-            _repeat_head_rows(projection, attention.head_dim, groups)
-        attention.num_key_value_groups = 1
+            assert isinstance(projection, nn.Linear)  # `_separate_kv` held for every attention module
+            # torch types a module's attributes as tensors or submodules; head_dim is a plain int
+            _repeat_head_rows(projection, attention.head_dim, groups)  # type: ignore[arg-type]
+        attention.num_key_value_groups = 1  # type: ignore[assignment]  # a plain int attribute, likewise
     config.num_key_value_heads = n_query
     return model
 

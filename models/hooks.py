@@ -33,6 +33,7 @@ import contextlib
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,10 @@ from torch import nn
 from core.errors import UsageError
 from models.attention import LayerSpec, attention_probabilities, layer_spec, rotate, visible_from_module_mask
 from models.families import HookPoint, family_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
 
 RESID_HOOKS = ("hook_resid_pre", "hook_resid_post")
 ATTN_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_cache_k", "attn.hook_cache_v")
@@ -54,21 +59,24 @@ def hook_name(layer: int, point: str) -> str:
     return f"blocks.{layer}.{point}"
 
 
-def all_hook_names(model: nn.Module) -> list[str]:
+def all_hook_names(model: PreTrainedModel) -> list[str]:
     n_layers = model.config.num_hidden_layers
     return [hook_name(layer, point) for layer in range(n_layers) for point in RESID_HOOKS + ATTN_HOOKS + DERIVED_HOOKS]
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.get_submodule(family_of(model.config).layers)
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    layers = model.get_submodule(family_of(model.config).layers)
+    assert isinstance(layers, nn.ModuleList)  # every family's decoder layers are one (`Family.layers`)
+    return layers
 
 
-def layer_specs(model: nn.Module) -> list[LayerSpec]:
+def layer_specs(model: PreTrainedModel) -> list[LayerSpec]:
     """What each decoder layer's attention does (scaling, sliding window, soft cap), read from its module."""
-    return [layer_spec(layer.self_attn, model.config, index) for index, layer in enumerate(decoder_layers(model))]
+    return [layer_spec(layer.get_submodule("self_attn"), model.config, index)
+            for index, layer in enumerate(decoder_layers(model))]
 
 
-def parse_hook_name(model: nn.Module, name: str) -> tuple[int, str]:
+def parse_hook_name(model: PreTrainedModel, name: str) -> tuple[int, str]:
     """Split a canonical name into (layer, point), raising a `UsageError` if it does not resolve on `model`."""
     match = _NAME.match(name)
     if not match:
@@ -123,7 +131,7 @@ class Capture:
 
 @contextlib.contextmanager
 def capture(
-    model: nn.Module,
+    model: PreTrainedModel,
     names: Iterable[str],
     *,
     detach: bool = True,
@@ -159,7 +167,7 @@ def capture(
     derived_wanted: dict[int, dict[str, str]] = defaultdict(dict)  # layer -> {point: name}
     # layer -> what to call with (new keys, new values, every key the layer attends to) at each cache update
     cache_listeners: dict[int, list[Callable]] = defaultdict(list)
-    wrapped_caches: list[object] = []
+    wrapped_caches: list[Cache] = []
 
     try:
         for name, layer, point in parsed:
@@ -179,12 +187,13 @@ def capture(
             cache_listeners[layer].append(_cache_emitter(wanted, emit))
         for layer, wanted in derived_wanted.items():
             block = layers[layer]
-            derived = _DerivedPoints(block.self_attn, layer_spec(block.self_attn, config, layer), wanted, emit)
-            handles.append(block.self_attn.register_forward_pre_hook(derived.before, with_kwargs=True))
+            attn = block.get_submodule("self_attn")
+            derived = _DerivedPoints(attn, layer_spec(attn, config, layer), wanted, emit)
+            handles.append(attn.register_forward_pre_hook(derived.before, with_kwargs=True))
             for point, store in (("attn.hook_q", derived.query), ("attn.hook_k", derived.key)):
                 module = block.get_submodule(table[point].module)
                 handles.append(module.register_forward_hook(_projection_hook(point, table[point], config, store)))
-            handles.append(block.self_attn.register_forward_hook(derived.after))
+            handles.append(attn.register_forward_hook(derived.after))
             if "attn.hook_pattern" in wanted:
                 cache_listeners[layer].append(derived.attended)
         for layer in cache_listeners:
@@ -231,7 +240,7 @@ def _cache_emitter(wanted: dict[str, str], emit):
     return listener
 
 
-def _cache_wrapping_hook(listeners: dict[int, list[Callable]], wrapped_caches: list[object], needs_cache: bool):
+def _cache_wrapping_hook(listeners: dict[int, list[Callable]], wrapped_caches: list[Cache], needs_cache: bool):
     """Wrap the `update` of the cache instance this attention layer receives, once per cache object; the wrapper
     hands every layer's listeners what the layer stored and what it attends to."""
 
@@ -261,6 +270,12 @@ class _DerivedPoints:
     """``hook_rot_q|rot_k|pattern`` of one layer, assembled during its attention module's forward: the inputs the
     module receives (pre-hook), its pre-RoPE projections, the keys its cache returns, then computed when it returns."""
 
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin)
+    mask: torch.Tensor | None
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    attended_keys: torch.Tensor | None
+
     def __init__(self, module: nn.Module, spec: LayerSpec, wanted: dict[str, str], emit) -> None:
         self.module = module
         self.spec = spec
@@ -286,6 +301,8 @@ class _DerivedPoints:
         self.attended_keys = attended_keys
 
     def after(self, module, args, output) -> None:
+        # set during this forward: by `before` (the module's pre-hook) and by its q and k projections' hooks
+        assert self.position_embeddings is not None and self.q is not None and self.k is not None
         cos, sin = self.position_embeddings
         # [batch, q_head, pos, d_head] and [batch, kv_head, pos, d_head]
         rot_q, rot_k = rotate(self.module, self.q, self.k, cos, sin)

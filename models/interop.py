@@ -72,7 +72,8 @@ def nnsight_capture(nn_model, names, input_ids: torch.Tensor, **forward_kwargs) 
             elif point == "hook_resid_post":
                 saved[name] = blocks[layer].output.save()
             elif point in ("attn.hook_cache_k", "attn.hook_cache_v"):
-                key = ("cache_update", layer)  # one call site serves both: cache.update(key_states, value_states, ...)
+                # one call site serves both: cache.update(key_states, value_states, ...)
+                key: tuple[str | int, ...] = ("cache_update", layer)
                 if key not in saved:
                     saved[key] = cache_calls[layer].inputs.save()
             else:

@@ -121,7 +121,8 @@ def prefill_peak_memory(
         raise UsageError("attention kernel 'flash_attention_2' needs a CUDA device")
     method = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler CPU allocator events"
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.get_input_embeddings().num_embeddings  # multimodal configs keep vocab_size in a sub-config
+    # multimodal configs keep vocab_size in a sub-config; transformers types the embedding as a bare nn.Module
+    vocab: int = model.get_input_embeddings().num_embeddings  # type: ignore[assignment]
     ids = {n: torch.randint(0, vocab, (batch, n), generator=generator) for n in lengths}
     rows = []
     with _restoring_kernel(model):
@@ -129,9 +130,10 @@ def prefill_peak_memory(
             _set_kernel(model, setup.implementation)
             failed = False
             for n in lengths:
-                row = {"model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-                       "kernel": setup.name, "ctx": n, "batch": batch, "peak_mem_mb": None, "forward_mem_mb": None,
-                       "oom": True, "measured": False, "method": method}
+                row: dict[str, Any] = {
+                    "model": name, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
+                    "kernel": setup.name, "ctx": n, "batch": batch, "peak_mem_mb": None, "forward_mem_mb": None,
+                    "oom": True, "measured": False, "method": method}
                 if not failed and not _certain_not_to_fit(model, setup, n, batch, device, memory_limit):
                     result = _measure(model, ids[n].to(device), setup, device)
                     row["measured"] = True

@@ -15,11 +15,18 @@ import importlib
 import itertools
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from core.errors import unknown_choice
 
-T = TypeVar("T")
+
+class _Named(Protocol):
+    """What a registered class has: the ``name`` attribute `Registry.register` sets."""
+
+    name: ClassVar[str]
+
+
+T = TypeVar("T", bound=_Named)
 
 
 class Registry(Mapping[str, type[T]], Generic[T]):

@@ -22,7 +22,7 @@ Every K/V and attention signal is a mean over heads (`KVSignal`, `head_mean`).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,8 +41,11 @@ class TokenSignal:
     name: ClassVar[str] = ""
     reads: ClassVar[str] = ""  # one of READS
 
-    def add(self, *tensors: torch.Tensor) -> None:
-        """Take one forward's tensors: what `reads` names, in the order the module docstring lists them."""
+    def add(self, *tensors: Any) -> None:
+        """Take one forward's tensors: what `reads` names, in the order the module docstring lists them.
+
+        A subclass names them as its parameters (``add(self, probs)``); here, where their number is not known, they
+        are typed `Any`, which every such override matches."""
         raise NotImplementedError
 
     def result(self) -> torch.Tensor:
@@ -57,10 +60,10 @@ class CausalSignal(TokenSignal):
     def __init__(self) -> None:
         self._parts: list[torch.Tensor] = []
 
-    def values(self, *tensors: torch.Tensor) -> torch.Tensor:
+    def values(self, *tensors: Any) -> torch.Tensor:  # typed as `TokenSignal.add`: a subclass names its tensors
         raise NotImplementedError
 
-    def add(self, *tensors: torch.Tensor) -> None:
+    def add(self, *tensors: Any) -> None:
         self._parts.append(self.values(*tensors).cpu())
 
     def result(self) -> torch.Tensor:

@@ -183,6 +183,7 @@ class ReceivedAttention(AttentionSignal):
         self._received = received
 
     def result(self) -> torch.Tensor:
+        assert self._received is not None, "result() after at least one add()"
         return self._received.cpu()
 
 
@@ -198,6 +199,7 @@ class LastQueryAttention(AttentionSignal):
         self._last_row = last_query_attention(self.by_position(rows))
 
     def result(self) -> torch.Tensor:
+        assert self._last_row is not None, "result() after at least one add()"
         return self._last_row.cpu()
 
 

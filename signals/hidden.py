@@ -166,7 +166,9 @@ class Smoother:
         if self.kind == "raw":
             return x
         if self.kind == "ema":
+            assert isinstance(self._impl, EMA)  # __init__ makes one for "ema"
             return self._impl.add(x)
+        assert isinstance(self._impl, RollingStats)  # __init__ makes one for "mean" and "z"
         if self.kind == "z":
             return self._impl.zscore(x)
         return self._impl.add(x)[0]

@@ -147,6 +147,7 @@ class LagNormaliser:
             if self.seen < self.chunk:  # chunk 0: the range so far
                 ref_lo, ref_hi = lo, hi
             else:
+                assert self._prev is not None  # past chunk 0: `seen` stopped at `chunk`, completing it
                 ref_lo, ref_hi = self._prev[0][..., None, :], self._prev[1][..., None, :]
             pieces.append((piece - ref_lo) / (ref_hi - ref_lo + self.eps))
             self._cur = (lo[..., -1, :].clone(), hi[..., -1, :].clone())  # not views of the whole piece
