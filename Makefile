@@ -13,7 +13,7 @@ demo: setup
 		--out $(OUT)
 
 test: setup
-	@source scripts/env.sh && $(PY) -m ruff check . && $(PY) -m pytest -m "not slow" -q
+	@source scripts/env.sh && $(PY) -m ruff check . && $(PY) -m mypy && $(PY) -m pytest -m "not slow" -q
 
 test-slow: setup
 	@source scripts/env.sh && $(PY) -m pytest -m slow -q

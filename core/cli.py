@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from core.errors import UsageError
 
@@ -25,7 +25,14 @@ USAGE_EXIT_CODE = 2
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def main_guard(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+class Main(Protocol):
+    """A CLI entry point: ``main()`` reads ``sys.argv``, ``main([...])`` the given arguments; returns the exit
+    status."""
+
+    def __call__(self, argv: list[str] | None = None) -> int: ...
+
+
+def main_guard(main: Callable[[list[str] | None], int | None]) -> Main:
     """Wrap a CLI `main` so a `UsageError` becomes one line on stderr and exit status 2."""
 
     def guarded(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from core.cli import ArgumentParser, main_guard
+from core.cli import ArgumentParser, Main, main_guard
 from core.errors import UsageError
 from core.rundir import RunDir
 from figures.save import save_figure
@@ -70,7 +70,7 @@ def output_directory(out: str | os.PathLike) -> Iterator[Path]:
         yield run.path
 
 
-def figure_main(parser: argparse.ArgumentParser, draw: Draw, columns: Columns) -> Callable[[list[str] | None], int]:
+def figure_main(parser: argparse.ArgumentParser, draw: Draw, columns: Columns) -> Main:
     """A guarded `main(argv)` that parses `parser`'s flags, reads --input holding one of the sets of `columns`
     (`read_input`), draws with `draw`, saves PNG + PDF."""
 
