@@ -8,7 +8,6 @@ same run, with the runs of different settings interleaved (repeat-major) so that
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,8 +15,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 QUESTION = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -121,9 +121,8 @@ class Budget:
     def resolve(self, reference_length: int) -> int:
         """K in tokens of a sequence whose reference length is `reference_length`: a token budget as is, a fraction
         ``f`` as ``ceil(f * reference_length)`` (at least 1)."""
-        if self.unit == TOKENS:
-            assert isinstance(self.amount, int)  # __post_init__ stores a token budget as an int
-            return self.amount
+        if (tokens := self.tokens) is not None:
+            return tokens
         return max(1, math.ceil(round(self.amount * reference_length, 6)))  # round: 0.3 * 10 must give 3, not 4
 
     def to_json(self) -> int | float:
