@@ -10,12 +10,13 @@ new key and so a new directory, while the stages before it are reused. Directori
 to earlier settings reuses them too.
 
 Progress: before each stage one line names it and estimates its time and the time left, from the decode rate the
-dense traces measured (`estimate_seconds`); the wrapped stages draw their own progress bars.
+dense traces imply for kvscope's decoding (`estimate_seconds`); the wrapped stages draw their own progress bars.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -44,6 +45,7 @@ STEP_OVERHEAD = 1.3
 # evictor.replay feeds a trace 32 tokens per forward: measured 12x faster than one step per token on a Qwen2.5-0.5B
 # trace; a conservative factor here.
 REPLAY_SPEEDUP = 8.0
+DECODING_STAGES = ("labels", "agreement", "signals", "evictor")  # the stages whose time the decode rate sets
 
 
 @dataclass
@@ -126,33 +128,39 @@ INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels")
           "evictor": ("traces", "selection", "known"), "compare": ("evictor",)}
 
 
-def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int) -> float | None:
-    """An order of magnitude of stage `name`'s wall time from the dense traces' decode rate r (tokens/s); None
-    before the traces exist. Labels: `labeling.estimates.estimate_seconds` over the traces to label, divided by the
-    fast labeller's usual speed-up; signals: every reasoning token once per scorer, teacher-forced in blocks
-    (`REPLAY_SPEEDUP`); evictor: every cell decoding as many tokens as the dense traces did on the problems it runs,
-    batching taken to gain about the square root of the batch size on a CPU."""
+def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int,
+                     rate: float | None, workers: int = 1) -> float | None:
+    """An order of magnitude of stage `name`'s wall time from kvscope's single-sequence decode rate `rate` (tokens/s,
+    `stages.kvscope_decode_rate` of the dense traces) with `workers` running the stages that take a backend (labels,
+    agreement, evictor) side by side; None before the traces exist or without a rate. Labels:
+    `labeling.estimates.estimate_seconds` over the traces to label, divided by the fast labeller's usual speed-up;
+    signals: every reasoning token once per scorer, teacher-forced in blocks (`REPLAY_SPEEDUP`); evictor: every cell
+    the stage runs (full once, every other configuration at every budget) decoding as many tokens as the dense traces
+    did on the problems it runs, batching taken to gain about the square root of the batch size on a CPU."""
     traces = done.get("traces")
-    if traces is None or not traces.outputs.get("tokens_per_s"):
+    if traces is None or not rate:
         return None
     if name in ("labels", "agreement", "signals") and is_long_context(config.dataset):
         return 0.0
-    rate, length = traces.outputs["tokens_per_s"], traces.outputs["mean_generated"]
+    length = traces.outputs["mean_generated"]
     to_label = traces.outputs["n"] if config.include_incorrect else traces.outputs["correct"]
     labelled = done["labels"].outputs.get("labelled", 0) if "labels" in done else to_label
     labelling = labelling_seconds(to_label, config.max_new_tokens, config.occlusion(), rate)[1] / LABEL_SPEEDUP
     if name == "labels":
-        return labelling
+        return labelling / workers
     if name == "agreement":
         relabelled = labelled if config.agreement_traces is None else min(config.agreement_traces, labelled)
-        return (len(stages.AGREEMENT_REPLACEMENTS) - 1) * labelling * relabelled / max(1, to_label)
+        return (len(stages.AGREEMENT_REPLACEMENTS) - 1) * labelling * relabelled / max(1, to_label) / workers
     if name == "signals":
         steps = labelled * (len(config.scorers) + 1) * max(0, length - config.tail)
         return steps * STEP_OVERHEAD / rate / REPLAY_SPEEDUP
     if name == "evictor":
-        cells = 1 + (len(stages.default_configs(config)) - 1 + config.top) * len(config.budgets)
+        selection = done["selection"].outputs if "selection" in done else {}
+        known = done["known"].outputs if "known" in done else None
+        plan = stages.sweeps(config, {"configs": selection.get("configs", {})}, known)
+        cells = 1 + (sum(len(configs) for configs in plan.values()) - 1) * len(config.budgets)
         evicted = labelled if config.evict_problems == "labelled" and labelled else n_problems
-        return cells * evicted * length * STEP_OVERHEAD / rate / config.batch_size ** 0.5
+        return cells * evicted * length * STEP_OVERHEAD / rate / config.batch_size ** 0.5 / workers
     return 0.0
 
 
@@ -198,9 +206,21 @@ class Study:
     def position(self, name: str) -> str:
         return f"stage {STAGES.index(name) + 1}/{len(STAGES)}"
 
+    @functools.cached_property
+    def decode_rate(self) -> float | None:
+        """kvscope's single-sequence tokens/s that the dense traces imply; read once, after the traces stage."""
+        return stages.kvscope_decode_rate(stages.read_traces(self.paths.abs(self.records["traces"].outputs["traces"])))
+
     def eta(self, name: str) -> str:
-        n_problems = len(self.records["traces"].settings["problems"]) if "traces" in self.records else 0
-        estimates = [estimate_seconds(n, self.config, self.records, n_problems)
+        traces = self.records.get("traces")
+        if traces is None:
+            return ""
+        if self.decode_rate is None:
+            return ("; no time estimate (these traces do not time kvscope's own decoding), its progress bar gives one"
+                    if name in DECODING_STAGES else "")
+        workers = self.backend.workers if self.backend.backend == "ray" else 1
+        estimates = [estimate_seconds(n, self.config, self.records, len(traces.settings["problems"]),
+                                      self.decode_rate, workers)
                      for n in STAGES[STAGES.index(name):]]
         rest = sum(e or 0 for e in estimates)
         if estimates[0] is None or rest < 1:

@@ -102,10 +102,25 @@ def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backen
         traces, file = _construct(config, problems, path), path / TRACES_FILE
     else:
         traces, file = _generate(config, problems, path, backend), path / TRACES_FILE
-    speeds = sorted(t.timings.get("tokens_per_s") or 0 for t in traces)
     return {"traces": paths.rel(file), "n": len(traces), "correct": sum(bool(t.correct) for t in traces),
             "mean_generated": sum(len(t.generated_ids) for t in traces) / len(traces),
-            "tokens_per_s": speeds[len(speeds) // 2] or None, "reused_file": config.traces is not None}
+            "reused_file": config.traces is not None}
+
+
+def kvscope_decode_rate(traces: list[Trace]) -> float | None:
+    """Single-sequence decode tokens/s of kvscope's own decoding that `traces` imply, which the study's time estimates
+    scale from: the median over traces of each one's tokens/s times the square root of the batch it shared (a trace's
+    rate is per sequence, and batching on a CPU gains about the square root of the batch: bench/README.md). None when
+    another engine decoded them (vLLM's speed says nothing about kvscope's cache, which the replay and the evictor
+    decode with) or none was timed (constructed traces)."""
+    rates = []
+    for trace in traces:
+        engine = trace.extra.get("engine") or {}  # absent from traces made before the engine choice: hf, batch 1
+        if engine.get("name", "hf") != "hf":
+            return None
+        if rate := trace.timings.get("tokens_per_s"):
+            rates.append(rate * engine.get("batch_size", 1) ** 0.5)
+    return float(np.median(rates)) if rates else None
 
 
 def _construct(config: StudyConfig, problems, path: Path) -> list[Trace]:

@@ -432,3 +432,38 @@ def test_full_compared_with_random_at_two_budgets_is_named_by_random_s_budget():
     assert comparison_label({"config": "h2o", "budget_a": 0.5, "budget_b": 0.5}) == "h2o @ 0.5"
     assert [comparison_label({"config": "full", "budget_a": None, "budget_b": b}) for b in (0.25, 0.5)] == [
         "full vs random @ 0.25", "full vs random @ 0.5"]
+
+
+def test_the_decode_rate_the_estimates_scale_from_is_kvscope_s_single_sequence_rate():
+    from core.schemas import Trace
+    from study.stages import kvscope_decode_rate
+
+    def trace(rate, engine=None):
+        return Trace(id="p", dataset="gsm8k", model="m", prompt_ids=[1], generated_ids=[2],
+                     timings={"tokens_per_s": rate} if rate else {}, extra={"engine": engine} if engine else {})
+
+    batched = {"name": "hf", "batch_size": 4}  # each sequence's rate times sqrt(4)
+    assert kvscope_decode_rate([trace(1.0, batched), trace(3.0, batched), trace(2.0, batched)]) == 4.0
+    assert kvscope_decode_rate([trace(5.0)]) == 5.0  # a trace from before the engine was recorded: hf, alone
+    assert kvscope_decode_rate([trace(1.2, {"name": "vllm", "batch_size": 32}), trace(5.0)]) is None
+    assert kvscope_decode_rate([trace(None)]) is None  # constructed traces are not timed
+
+
+def test_the_evictor_estimate_counts_every_deployed_cell_and_the_workers_sharing_them():
+    from study.config import StudyConfig, study_budgets
+    from study.pipeline import STEP_OVERHEAD, StageRecord, estimate_seconds
+
+    def record(name, outputs):
+        return StageRecord(name, "key", f"stages/{name}-key", "reused", 1.0, {}, {}, outputs)
+
+    config = StudyConfig(dataset="gsm8k", budgets=study_budgets("0.25,0.5"), scorers=("valuediff", "keydiff", "h2o"),
+                         deploy_scorers=True, evict_problems="labelled", batch_size=16)
+    done = {"traces": record("traces", {"n": 10, "correct": 6, "mean_generated": 300.0}),
+            "labels": record("labels", {"labelled": 5}),
+            "selection": record("selection", {"configs": {"keydiff": {"policy": "keydiff", "params": {}}}})}
+    # full once; random, recency, epikv, valuediff, keydiff, h2o at both budgets (the selected keydiff is deployed)
+    cells = 1 + 6 * 2
+    alone = estimate_seconds("evictor", config, done, 10, rate=2.0)
+    assert alone == pytest.approx(cells * 5 * 300.0 * STEP_OVERHEAD / 2.0 / 4)
+    assert estimate_seconds("evictor", config, done, 10, rate=2.0, workers=2) == pytest.approx(alone / 2)
+    assert estimate_seconds("evictor", config, done, 10, rate=None) is None
