@@ -218,9 +218,8 @@ class Study:
         if self.decode_rate is None:
             return ("; no time estimate (these traces do not time kvscope's own decoding), its progress bar gives one"
                     if name in DECODING_STAGES else "")
-        workers = self.backend.workers if self.backend.backend == "ray" else 1
         estimates = [estimate_seconds(n, self.config, self.records, len(traces.settings["problems"]),
-                                      self.decode_rate, workers)
+                                      self.decode_rate, self.backend.workers)  # 1 on the serial backend
                      for n in STAGES[STAGES.index(name):]]
         rest = sum(e or 0 for e in estimates)
         if estimates[0] is None or rest < 1:
