@@ -428,34 +428,22 @@ def comparison_label(row: dict[str, Any]) -> str:
 def offline_rows(result, ranking: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each configuration the evictor ran, with the offline statistic of the score it deploys: a selected
     configuration's chosen signal, a policy at its default parameters its own aggregate score (``<policy>.agg.raw``)."""
-    by_signal, defaults = {row["signal"]: row for row in ranking}, defaults_of(result)
+    from validation.predictive import offline_from_ranking
+
+    defaults = defaults_of(result)
     chosen = {stages.ran_as(c["name"], result["selection"]["configs"][c["name"]], defaults): c["signal"]
               for c in result["selection"]["chosen"]}
-    rows = []
-    for name, config in ran_configs(result).items():
-        row = by_signal.get(chosen.get(name, f"{config['policy']}.agg.raw"))
-        if row is not None:
-            rows.append({"scorer": name, "signal": row["signal"], "rho": row["within_rho"],
-                         "rho_lo": row.get("within_t_lo"), "rho_hi": row.get("within_t_hi")})
-    return rows
-
-
-def deployed_rows(comparisons: list[dict]) -> list[dict[str, Any]]:
-    """The comparisons against random of the configurations that evicted by a score, as `validation.predictive` reads
-    them. A configuration without a budget (full) deploys no score; it is compared with random at every budget, so
-    it would also repeat."""
-    return [{"scorer": r["config"], "budget": r["budget_a"], "difference": r["difference"], "ci_lo": r["ci_lo"],
-             "ci_hi": r["ci_hi"], "n_problems": r["n_problems"]}
-            for r in comparisons if not r.get("error") and r["budget_a"] is not None]
+    policies = {name: config["policy"] for name, config in ran_configs(result).items()}
+    return offline_from_ranking(ranking, policies, chosen)
 
 
 def predictive_section(result, ranking: list[dict[str, Any]], comparisons: list[dict]) -> str:
     """Every scorer that ran in the evictor: its offline rho beside its deployed difference against random, and
     the rank correlation between the two (`validation.predictive`)."""
-    from validation.predictive import describe, predictive
+    from validation.predictive import deployed_from_comparisons, describe, predictive
 
     level = result.config.level
-    deployed = deployed_rows(comparisons)
+    deployed = deployed_from_comparisons(comparisons, REFERENCE)  # full deploys no score: it has no budget
     offline = offline_rows(result, ranking)
     if not deployed or not offline:
         return "Nothing to set side by side: " + ("no scorer was validated offline." if not offline else

@@ -8,6 +8,7 @@ tests/test_study.py does): every trace has a reference answer and occlusion wind
 
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import re
@@ -79,3 +80,9 @@ def test_the_readme_pipeline_runs_as_written(tiny_dir, tmp_path, monkeypatch):
     cells = {row["policy"] for row in json.loads(Path("runs/evict/summary.json").read_text())}
     assert {"full", "random", "recency", best["policy"]} <= cells
     assert list(Path("runs/figures").glob("*.png"))
+    chosen = {row["config"]: row["signal"] for row in csv.DictReader(Path("runs/select/ranking.csv").open())
+              if row["config"]}
+    predicts = list(csv.DictReader(Path("runs/predictive/predictive.csv").open()))
+    assert best["policy"] in {row["scorer"] for row in predicts} and "random" not in {row["scorer"] for row in predicts}
+    # the selected configuration is validated by the signal it was chosen on, not by its policy's aggregate score
+    assert {row["signal"] for row in predicts if row["scorer"] == best["policy"]} == {chosen[best["policy"]]}

@@ -131,7 +131,9 @@ def test_the_study_writes_every_deliverable(study):
     assert agreement is not None  # every labelled trace relabelled by deletion (the default) and compared
     assert "### What each occluded window did" in report and "### Scorer ranking under each replacement" in report
     assert re.search(r"- \w+ vs delete: Spearman", report)
-    assert "## 5. Does the offline statistic predict eviction?" in report
+    predicts = report.split("## 5. Does the offline statistic predict eviction?")[1].split("\n## ")[0]
+    assert re.search(r"\| valuediff \| valuediff\.agg\.raw \| 0\.5 \|", predicts)  # defaults: the aggregate score
+    assert "- budget 0.5: " in predicts and "Nothing to set side by side" not in predicts
     layers = list(csv.DictReader((study / "layers.csv").open()))  # the per-layer analysis behind the bands
     assert {r["layer"] for r in layers} >= {"0.0", "3.0"} and (study / "positional.csv").is_file()
     revision = json.loads((study / "config.json").read_text())["revision"]
@@ -401,29 +403,6 @@ def test_a_known_answer_study_opens_with_the_labels_against_the_planted_facts(ti
     accuracy = {row["policy"] for row in csv.DictReader((out / "accuracy.csv").open())}
     if known["finding"] is not None:  # the scorer that finds the facts ran in the evictor, to set beside random
         assert known["finding"] in accuracy and known["finding"] != "random"
-
-
-def test_the_predictive_table_leaves_out_full_which_is_compared_with_random_at_every_budget():
-    from study.report import deployed_rows
-    from validation.predictive import predictive
-
-    def compared(config, budget, difference, **extra):
-        return {"config": config, "budget_a": budget, "difference": difference, "ci_lo": difference - 0.1,
-                "ci_hi": difference + 0.1, "n_problems": 40, **extra}
-
-    comparisons = [compared(name, budget, diff) for budget in (0.25, 0.5)
-                   for name, diff in (("epikv", -0.4), ("recency", 0.0), ("h2o", -0.1))]
-    comparisons += [compared("full", None, 0.05), compared("full", None, 0.02),
-                    compared("valuediff", 0.5, 0.0, error="unequal peak cache")]
-    rows = deployed_rows(comparisons)
-    assert {(r["scorer"], r["budget"]) for r in rows} == {(n, b) for n in ("epikv", "recency", "h2o")
-                                                          for b in (0.25, 0.5)}
-    offline = [{"scorer": name, "rho": rho, "rho_lo": rho - 0.1, "rho_hi": rho + 0.1}
-               for name, rho in (("epikv", -0.3), ("recency", 0.6), ("h2o", 0.1))]
-    found = predictive(offline, rows)
-    assert sorted(found.per_budget) == [0.25, 0.5]
-    # the offline order (recency > h2o > epikv) is the deployed order at both budgets
-    assert all(test.rho == pytest.approx(1.0) for test in found.per_budget.values())
 
 
 def test_full_compared_with_random_at_two_budgets_is_named_by_random_s_budget():
