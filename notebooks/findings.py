@@ -10,7 +10,8 @@
 # # Findings: the three papers' claims, re-measured with kvscope
 #
 # Every number and figure here is recomputed from the committed tables under `results/` (no model is loaded): the
-# study of Qwen2.5-Coder-0.5B-Instruct on GSM8K (`python -m study`), its extra protection sweep, the geometry survey
+# study of Qwen2.5-Coder-0.5B-Instruct on GSM8K (`python -m study`; again under the forced-answer labels, and on
+# Qwen2.5-Coder-1.5B at two budgets), its extra protection sweep, the geometry survey
 # of the four installed models, the planted-fact and passcode probes, a RULER sweep of SmolLM2 under compression,
 # and the two memory benchmarks (prefill memory of scoring, throughput at equal KV memory). `results/README.md` holds
 # the same findings table with the paper's values and a verdict per row; each row names the folder that backs it.
@@ -496,6 +497,31 @@ for budget, rows in evicting.groupby("budget_a"):
     add(f"the offline rho orders the scorers as eviction does, budget {budget:g}", "–",
         f"Spearman {agreement:+.2f} over {len(rows)} scorers", "see the study report", len(rows),
         "measured", forced_dir.name)
+
+# %% [markdown]
+# ## Qwen2.5-Coder-1.5B on GSM8K: the same loop on a larger model, its evictor at a quarter and at half
+# The 1.5B study (`results/qwen2.5-1.5b-gsm8k/`: 45 correctly answered vLLM traces, forced-answer labels) evicted at
+# a quarter of each trace and, in a second run on the same labels, at half (`half/`). The best scored policy against
+# random at each budget, and Spearman's rho between the offline rho and the deployed difference across the six
+# scorers, pooled over both runs and recomputed here with scipy.
+
+# %%
+larger_dir = root / "qwen2.5-1.5b-gsm8k"
+larger = pd.concat([pd.read_csv(larger_dir / "compare.csv"), pd.read_csv(larger_dir / "half" / "compare.csv")])
+larger = larger[larger["error"].isna()]
+display(larger[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p",
+                "sign_p_value"]].round(3))
+larger_scores = pd.read_csv(next((larger_dir / "stages").glob("selection-*")) / "ranking.csv")
+agreements = []
+for budget, rows in larger[larger["budget_a"].notna()].groupby("budget_a"):
+    add_best_against_random(rows, larger_dir.name,
+                            f"random (prompt kept) matches the best scored policy, Qwen2.5-1.5B, budget {budget:g}")
+    offline_rho = [deployed(name, larger_scores)["within_rho"] for name in rows["config"]]
+    agreements.append(spearmanr(offline_rho, rows["difference"]).statistic)
+    add(f"the offline rho orders the scorers as eviction does, Qwen2.5-1.5B, budget {budget:g}", "–",
+        f"Spearman {agreements[-1]:+.2f} over {len(rows)} scorers", "see validation.predictive in command.txt",
+        len(rows), "measured", larger_dir.name)
+display(Markdown(f"Mean over the two budgets: Spearman {sum(agreements) / len(agreements):+.2f}."))
 
 # %% [markdown]
 # ## The findings table
