@@ -126,6 +126,11 @@ NAMED_VALUES = {
     "input": ["file:missing", "file:dir", "file:binary.csv", "table:wrong_columns.csv", "table:header_only.csv"],
     "policy_config": FILES + ["policy:unknown", "policy:unknown_param", "policy:float_for_int", "policy:array"],
     "runs": ["file:missing", "file:dir", "file:binary"],
+    "ranking": ["file:missing", "file:dir", "file:binary", "file:latin1", "file:empty", "table:wrong_columns.csv",
+                "table:ranking_header_only.csv"],
+    "compare": ["file:missing", "file:dir", "file:binary", "file:empty", "table:wrong_columns.csv",
+                "table:comparison_no_budget.csv"],
+    "signal": ["epikv", "=x", "epikv=bogus.agg.raw"], "against": ["bogus"],
     "budget": ["0", "inf", "32,32", "1,,2", "abc", HUGE],
     "keep": ["0", "2.5", "nan", "abc"],
     "policy": ["bogus", "random,,h2o"],
@@ -217,6 +222,13 @@ def fx(tmp_path_factory, tiny_dir):
     for name, _, table, _ in FIGURES:
         table().to_csv(tables / f"{name}.csv", index=False)
     (tables / "forest.csv").write_text("label,estimate,estimate_lo,estimate_hi\na,0.1,0.0,0.2\nb,-0.2,-0.3,-0.1\n")
+    f["ranking"] = str(tables / "ranking.csv")
+    (tables / "ranking.csv").write_text("signal,within_rho,within_t_lo,within_t_hi,config\n"
+                                        "h2o.agg.raw,-0.2,-0.3,-0.1,\nrecency.agg.raw,0.5,0.4,0.6,recency\n")
+    f["comparison"] = str(tables / "comparison.csv")
+    (tables / "comparison.csv").write_text("policy_a,policy_b,budget_a,difference,ci_lo,ci_hi,n_problems\n"
+                                           "h2o,random,0.5,-0.3,-0.5,-0.1,8\nrecency,random,0.5,0.0,-0.1,0.1,8\n"
+                                           "full,random,,0.1,0.0,0.2,8\n")
     f["tables"] = str(tables)
     _bad_files(root / "bad", f)
     return f
@@ -258,6 +270,9 @@ def _bad_files(bad: Path, f: dict) -> None:
                          "float_for_int": {"policy": "snapkv", "params": {"window": 2.5}}, "array": [1]}.items():
         (bad / f"policy-{name}.json").write_text(json.dumps(config))
     (bad / "table-wrong_columns.csv").write_text("x,y\n1,2\n")
+    (bad / "table-ranking_header_only.csv").write_text("signal,within_rho,within_t_lo,within_t_hi\n")
+    (bad / "table-comparison_no_budget.csv").write_text("policy_a,policy_b,budget_a,difference,ci_lo,ci_hi,n_problems\n"
+                                                        "full,random,,0.1,0.0,0.2,8\n")
     (bad / "table-header_only.csv").write_text("policy,budget,accuracy,ci_lo,ci_hi\n")
     for name, config in {"empty_config": "{}", "no_config": None}.items():
         (bad / f"model-{name}").mkdir()
@@ -285,6 +300,7 @@ BASES = {
                         "--chunk", "32", "--out", "OUT"],
     "models.memory": ["--model", "{tiny}", "--ctx", "64", "--out", "OUT"],
     "validation.compare": ["--runs", "{dense}", "{evicted}", "--n-boot", "100", "--out", "OUT"],
+    "validation.predictive": ["--ranking", "{ranking}", "--compare", "{comparison}", "--n-boot", "50", "--out", "OUT"],
     "validation.layers": ["--labels", "{labels}", "--signals", "{signals_mean}", "{signals_z}", "--n-boot", "50",
                           "--out", "OUT"],
     "validation.select": ["--labels", "{labels}", "--signals", "{signals_mean}", "{signals_z}", "--n-boot", "50",

@@ -192,7 +192,7 @@ def test_the_cli_ranks_budgets_from_separate_runs_together(tmp_path, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--signal", "epikv"], "--signal 'epikv': expected NAME=SIGNAL"),
     (["--signal", "epikv=band:nothing"], "band:nothing not in the ranking"),
-    (["--reference", "h2o"], "no row compares a configuration at a budget with 'h2o'"),
+    (["--against", "h2o"], "no row compares a configuration at a budget with 'h2o'"),
     (["--level", "1.5"], "--level 1.5: must lie between 0 and 1"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2_without_output(tmp_path, capsys, extra, message):

@@ -53,6 +53,8 @@ from validation.stats import DEFAULT_N_BOOT, DEFAULT_N_PERM, RankTest, stratifie
 
 OFFLINE_COLUMNS = ("scorer", "rho", "rho_lo", "rho_hi")
 DEPLOYED_COLUMNS = ("scorer", "budget", "difference", "ci_lo", "ci_hi", "n_problems")
+RANKING_COLUMNS = ("signal", "within_rho", "within_t_lo", "within_t_hi")
+COMPARISON_COLUMNS = ("policy_a", "policy_b", "budget_a", "difference", "ci_lo", "ci_hi", "n_problems")
 SELECTED_PREFIX = "selected-"  # how the study names a selected configuration that equals no default
 TABLE_COLUMNS = ("scorer", "signal", "budget", "offline_rho", "offline_lo", "offline_hi", "difference", "ci_lo",
                  "ci_hi", "n_problems")
@@ -231,12 +233,24 @@ def _budget(value: Any) -> Any:
     raise UsageError(f"budget_a {value!r} is not a budget (a token count or a fraction)")
 
 
-def _read_csv(path: str) -> list[dict[str, str]]:
+def _read_csv(path: str, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """A table's rows, refusing (`UsageError`) a file that cannot be read, is not UTF-8 CSV, has no row, or lacks
+    one of `columns`."""
     try:
-        with open(path, newline="") as handle:
-            return list(csv.DictReader(handle))
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            rows = list(reader)
+            header = reader.fieldnames or []
     except OSError as err:
         raise UsageError(f"{path}: {err.strerror}") from None
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise UsageError(f"{path}: not a UTF-8 CSV table ({err})") from None
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise UsageError(f"{path}: no column {', '.join(missing)} (a table here needs {', '.join(columns)})")
+    if not rows:
+        raise UsageError(f"{path}: a header and no row")
+    return rows
 
 
 def _signal_option(text: str) -> tuple[str, str]:
@@ -264,8 +278,8 @@ def build_parser() -> ArgumentParser:
                         help="the ranking signal a configuration was chosen on (repeatable); without it a "
                         "configuration the ranking's config column names takes that row's signal, any other its "
                         "policy's aggregate score at defaults, <policy>.agg.raw")
-    parser.add_argument("--reference", default="random",
-                        help="the policy every configuration was compared with (default random)")
+    parser.add_argument("--against", default="random",
+                        help="the policy every configuration was compared with in the tables (default random)")
     parser.add_argument("--level", type=float, default=0.95, help="confidence level (default 0.95)")
     parser.add_argument("--n-boot", type=positive_int, default=DEFAULT_N_BOOT,
                         help=f"bootstrap resamples over scorers (default {DEFAULT_N_BOOT})")
@@ -296,19 +310,20 @@ def _main(argv: list[str] | None = None) -> int:
     if not 0 < args.level < 1:
         raise UsageError(f"--level {args.level}: must lie between 0 and 1")
     signals = dict(_signal_option(text) for text in args.signal)
-    deployed = [row for path in args.compare for row in deployed_from_comparisons(_read_csv(path), args.reference)]
+    deployed = [row for path in args.compare
+                for row in deployed_from_comparisons(_read_csv(path, COMPARISON_COLUMNS), args.against)]
     if not deployed:
-        raise UsageError(f"--compare: no row compares a configuration at a budget with {args.reference!r} in "
+        raise UsageError(f"--compare: no row compares a configuration at a budget with {args.against!r} in "
                          f"{', '.join(args.compare)}")
     policies = {r["scorer"]: r["policy"] or r["scorer"] for r in deployed}
-    ranking = _read_csv(args.ranking)
+    ranking = _read_csv(args.ranking, RANKING_COLUMNS)
     offline = offline_from_ranking(ranking, policies, {**selected_signals(ranking, policies), **signals})
     found = predictive(offline, deployed, level=args.level, n_boot=args.n_boot, n_perm=args.n_perm, seed=args.seed)
     if not args.out:
         _print_summary(found, sys.stdout)
         return 0
     identity = {"ranking": args.ranking, "compare": list(args.compare), "signals": signals,
-                "reference": args.reference, "level": args.level, "n_boot": args.n_boot, "n_perm": args.n_perm,
+                "against": args.against, "level": args.level, "n_boot": args.n_boot, "n_perm": args.n_perm,
                 "seed": args.seed}
     with RunDir(args.out, identity) as run:
         _print_summary(found, sys.stdout)
