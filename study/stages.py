@@ -34,6 +34,7 @@ from study.config import (
     StudyConfig,
     is_known_answer,
 )
+from validation.predictive import SELECTED_PREFIX
 
 Outputs = dict[str, Any]
 TRACES_FILE = "generations.jsonl"
@@ -44,7 +45,7 @@ REPLAY_FILE = "replay.jsonl"
 SMOOTHED_SIGNALS = {"raw": ("hidden_diff", "key_norm", "h2o"), "mean": ("hidden_diff",), "z": ("hidden_diff",)}
 BAND_FAMILY = "hidden_diff"
 BASELINE_SWEEP = "baselines"
-SELECTED = "selected-"  # the sweep and configuration name of a selected configuration
+SELECTED = SELECTED_PREFIX  # the sweep and configuration name of a selected configuration
 
 
 class Paths:

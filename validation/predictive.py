@@ -210,11 +210,11 @@ def deployed_from_comparisons(comparisons: Iterable[Mapping], reference: str = "
     error has no difference."""
     rows = []
     for row in comparisons:
+        budget = _budget(row.get("budget_a"))
         if (row.get("policy_b", reference) != reference or row.get("policy_a") == reference or row.get("error")
-                or _budget(row.get("budget_a")) is None):
+                or budget is None):
             continue
-        rows.append({"scorer": row.get("config") or row["policy_a"], "policy": row.get("policy_a"),
-                     "budget": _budget(row["budget_a"]),
+        rows.append({"scorer": row.get("config") or row["policy_a"], "policy": row.get("policy_a"), "budget": budget,
                      **{key: row[key] for key in ("difference", "ci_lo", "ci_hi", "n_problems")}})
     return rows
 
