@@ -284,7 +284,8 @@ def sequence_budgets(
             if config.on_long_prompt == "error":
                 raise UsageError(
                     f"{who}: {limit} protected tokens ({protect}) + recency window {recency} exceed "
-                    f"the budget {budget}; raise --budget, use --protect sinks|none, or choose a fallback with "
+                    f"the budget {budget}; raise --budget, count only the trace with --budget-scope trace, use "
+                    f"--protect sinks|none, or choose a fallback with "
                     f"--on-long-prompt expand|sinks"
                 )
             if config.on_long_prompt == "expand":

@@ -14,7 +14,7 @@ import functools
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,15 @@ from core.rundir import RunDir, check_identity
 from core.schemas import Cell, Trace, read_records
 from core.seeds import derive_seed
 from evictor.policy import configured_policy
-from evictor.protocol import OVERRIDABLE, SAMPLING_FIELDS, Budget, Protocol, resolve_protocol, token_flags
+from evictor.protocol import (
+    OVERRIDABLE,
+    SAMPLING_FIELDS,
+    Budget,
+    Protocol,
+    resolve_protocol,
+    sequence_budgets,
+    token_flags,
+)
 from evictor.summary import SweepCell, never_evicted_warning, summarise_cell, write_summary
 from tasks.problem import Problem
 from tasks.run import GenerationConfig, graded_trace
@@ -178,14 +186,31 @@ def load_sweep_worker(config: SweepConfig) -> SweepWorker:
 
 
 def problem_budgets(
-    cell: SweepCell, problems: Sequence[Problem], reference: dict[str, int] | None, max_new_tokens: int
+    cell: SweepCell, problem_ids: Sequence[str], reference: Mapping[str, int] | None, max_new_tokens: int
 ) -> list[int] | None:
     """Each problem's effective K: a fractional budget resolves against its reference length (else
     `max_new_tokens`)."""
     if cell.budget is None:
         return None
-    lengths = [reference[p.id] if reference is not None else max_new_tokens for p in problems]
+    lengths = [reference[problem_id] if reference is not None else max_new_tokens for problem_id in problem_ids]
     return [cell.budget.resolve(n) for n in lengths]
+
+
+def check_budgets_fit(config: SweepConfig, prompt_lens: Mapping[str, int], reference: Mapping[str, int] | None) -> None:
+    """Refuse a sweep in which some problem's protected prompt (plus its recency window) does not fit some cell's
+    budget (`evictor.protocol.sequence_budgets`), from the lengths alone: `prompt_lens` and `reference` map problem
+    ids to prompt and dense generated lengths (None: fractions resolve against max_new_tokens). The sweep checks it
+    before it writes anything, and a study right after its traces, hours before its evictor stage would fail."""
+    policies = make_policies(config)
+    for cell in sweep_cells(config):
+        budgets = problem_budgets(cell, list(prompt_lens), reference, config.generation.max_new_tokens)
+        if budgets is None:
+            continue
+        policy, eviction = policies[cell.policy], config.protocol_for(cell.budget).config
+        protect = eviction.protect or policy.default_protection
+        for (problem_id, prompt_len), budget in zip(prompt_lens.items(), budgets):
+            sequence_budgets([budget], [prompt_len], protect, eviction, [f"{cell.label}, problem {problem_id}"],
+                             policy.kept_recent)
 
 
 def keep_log_name(problem_id: str) -> str:
@@ -336,6 +361,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
         protocols = {cell.label: config.protocol_for(cell.budget) for cell in cells}
         runs = {}
         # Every check that needs the model runs before anything is written: nothing half-written on bad input.
+        check_budgets_fit(config, {p.id: len(prompts[p.id]) for p in problems}, reference)
         for cell in cells:
             engine = local.engines[cell.label]
             identity = cell_identity(engine, protocols[cell.label], cell, shared)
@@ -345,10 +371,6 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
                 check_identity(run.config_path, identity, f"--out {str(out)!r}")
                 run.identity = identity
                 runs[cell.label] = run
-            budgets = problem_budgets(cell, problems, reference, generation.max_new_tokens) or []
-            for problem, k in zip(problems, budgets):  # protected prompt vs budget: fail now, not mid-run
-                engine.sequence_budgets([k], [len(prompts[problem.id])],
-                                        names=[f"{cell.label}, problem {problem.id}"])
 
         from tqdm import tqdm
 
@@ -373,7 +395,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
             todo = [p for p in problems if p.id not in stores[cell.label]]
             for start in range(0, len(todo), config.batch_size):
                 chunk = todo[start : start + config.batch_size]
-                chunk_budgets = problem_budgets(cell, chunk, reference, generation.max_new_tokens)
+                chunk_budgets = problem_budgets(cell, [p.id for p in chunk], reference, generation.max_new_tokens)
                 forced = [scripts[p.id] or [] for p in chunk]
                 batches.append(Batch(cell, tuple(chunk), [prompts[p.id] for p in chunk], chunk_budgets,
                                      forced if any(forced) else None))

@@ -21,7 +21,7 @@ from core.cli import (
     positive_int,
     unit_interval,
 )
-from evictor.protocol import PROTECTIONS, PROTOCOLS
+from evictor.protocol import BUDGET_SCOPES, ON_LONG_PROMPT, PROTECTIONS, PROTOCOLS
 from labeling.labeler import DEFAULT_NO_ANSWER
 from labeling.windows import DEFAULT_TAIL, NO_ANSWER_RULES
 from models.registry import DEFAULT_MODEL, REGISTRY
@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--protect", default=DEFAULT_PROTECT, choices=PROTECTIONS,
                        help="what every policy keeps unscored: one protection for all, so every policy holds the same "
                        f"peak cache (default {DEFAULT_PROTECT}: {', '.join(BASELINES[1:])} keep the prompt)")
+    evict.add_argument("--budget-scope", default=None, choices=BUDGET_SCOPES,
+                       help="what K counts, over the protocol's own rule: all (the protected tokens and the recency "
+                       "window too), trace (only the scored survivors) or with_buffer (the recent buffer too); "
+                       "default: the protocol's (epikv: trace; random_attention: all, so a fraction of a short trace "
+                       "may not hold the prompt)")
+    evict.add_argument("--on-long-prompt", default=None, choices=ON_LONG_PROMPT,
+                       help="where the protected prompt and the recency window exceed a problem's K: error "
+                       "(default; the study stops right after its traces), expand that problem's K to fit them, or "
+                       "protect only the sinks for that problem")
     evict.add_argument("--evict-problems", default="all", choices=EVICT_PROBLEMS,
                        help="the problems the evictor runs: all (default) or labelled, only those whose dense trace "
                        "was labelled (the correctly answered ones unless --include-incorrect): accuracy then measures "
@@ -173,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         force_answer=args.force_answer, no_answer=args.no_answer,
         agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),
         signal_window=args.signal_window, top=args.top, level=args.level, n_boot=args.n_boot,
-        protocol=args.protocol, protect=args.protect, compare_n_boot=args.compare_n_boot,
+        protocol=args.protocol, protect=args.protect, budget_scope=args.budget_scope,
+        on_long_prompt=args.on_long_prompt,         compare_n_boot=args.compare_n_boot,
         batch_size=args.batch_size, evict_problems=args.evict_problems, deploy_scorers=args.deploy_scorers,
         seed=args.seed, dtype=args.dtype, device=args.device)
 

@@ -117,6 +117,8 @@ class StudyConfig:
     # eviction and comparison
     protocol: str = DEFAULT_PROTOCOL
     protect: str = DEFAULT_PROTECT
+    budget_scope: str | None = None  # what K counts (evictor.protocol.BUDGET_SCOPES); None: the protocol's own
+    on_long_prompt: str | None = None  # a prompt K cannot hold (evictor.protocol.ON_LONG_PROMPT); None: error
     compare_n_boot: int = COMPARE_N_BOOT
     batch_size: int = 1  # problems decoded together by the evictor stage: speed only, so not in any stage's key
     evict_problems: str = "all"  # all | labelled: the problems the evictor stage runs
@@ -129,7 +131,7 @@ class StudyConfig:
         """Refuse any setting no stage can run with, naming it: nothing is loaded or written before this passes."""
         from evictor.policies import POLICIES, get_policy
         from evictor.policy import calibrated_policies, choose_policies
-        from evictor.protocol import PROTECTIONS, PROTOCOLS
+        from evictor.protocol import BUDGET_SCOPES, ON_LONG_PROMPT, PROTECTIONS, PROTOCOLS
         from models.loading import check_model_name
         from tasks.datasets import check_dataset
         from tasks.engines import ENGINES
@@ -155,6 +157,10 @@ class StudyConfig:
             raise unknown_choice("protocol", self.protocol, PROTOCOLS)
         if self.protect not in PROTECTIONS:
             raise unknown_choice("protection", self.protect, PROTECTIONS)
+        if self.budget_scope is not None and self.budget_scope not in BUDGET_SCOPES:
+            raise unknown_choice("budget scope", self.budget_scope, BUDGET_SCOPES)
+        if self.on_long_prompt is not None and self.on_long_prompt not in ON_LONG_PROMPT:
+            raise unknown_choice("long-prompt fallback", self.on_long_prompt, ON_LONG_PROMPT)
         if self.evict_problems not in EVICT_PROBLEMS:
             raise unknown_choice("evict-problems", self.evict_problems, EVICT_PROBLEMS)
         for name in ("top", "signal_window", "n_boot", "compare_n_boot", "max_new_tokens", "batch_size"):
@@ -192,6 +198,25 @@ class StudyConfig:
                                     "the cache could never fill, so nothing is evicted")
         if self.replacement.isdigit():
             limits.check_token_ids([int(self.replacement)], f"--replacement {self.replacement}")
+
+    @property
+    def protocol_overrides(self) -> dict[str, str]:
+        """The protocol settings given over the preset beside the protection (only those given, so a default
+        study's evictor key does not change)."""
+        given = {"budget_scope": self.budget_scope, "on_long_prompt": self.on_long_prompt}
+        return {name: value for name, value in given.items() if value is not None}
+
+    @property
+    def protocol_settings(self) -> dict[str, Any]:
+        """What the study sets over its protocol's preset (`evictor.protocol.resolve_protocol`)."""
+        return {"protect": self.protect, **self.protocol_overrides}
+
+    def protocol_flags(self) -> list[str]:
+        """The protocol's flags as a command line gives them (`--protect`, then each override)."""
+        flags = ["--protect", self.protect]
+        for name, value in self.protocol_overrides.items():
+            flags += [f"--{name.replace('_', '-')}", value]
+        return flags
 
     @property
     def deployed_scorers(self) -> tuple[str, ...]:

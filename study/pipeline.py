@@ -103,7 +103,7 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
     else:
         traces = {"generation": stages.generation_config(config, engine=config.engine).identity(), "problems": ids}
     labels = config.occlusion().identity()
-    sampling = resolve_protocol(config.protocol, {"protect": config.protect}).sampling
+    sampling = resolve_protocol(config.protocol, config.protocol_settings).sampling
     generation = stages.generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
     return {
         "traces": traces,
@@ -116,6 +116,7 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
         "evictor": {"generation": generation.identity(), "problems": ids,
                     "budgets": [budget.to_json() for budget in config.budgets],
                     "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems,
+                    **config.protocol_overrides,
                     **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
         "known": {"level": config.level, "n_boot": config.n_boot, "seed": config.seed},
         "compare": {"n_boot": config.compare_n_boot, "level": config.level, "seed": config.seed,
@@ -254,6 +255,7 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
         paths, rec = study.paths, study.records
         study.run("traces", settings["traces"],
                   lambda d: stages.traces_stage(config, problems, d, paths, backend))
+        stages.check_budgets_fit(config, problems, rec["traces"].outputs, paths)
         study.run("labels", settings["labels"],
                   lambda d: stages.labels_stage(config, rec["traces"].outputs, d, paths, backend),
                   off=LONG_CONTEXT_LABELS if is_long_context(config.dataset) else None)

@@ -232,7 +232,7 @@ def settings_section(result) -> str:
                                       f"{c.signal_window}), key norm, attention received (h2o)"],
                 ["selection", f"top {c.top}, {c.level:.0%} intervals, {c.n_boot} bootstrap replicates over traces"]]),
             ["budgets", budgets_text(c.budgets)],
-            ["protocol", f"{c.protocol} for every policy, --protect {c.protect}"],
+            ["protocol", f"{c.protocol} for every policy, {' '.join(c.protocol_flags())}"],
             ["evicted problems", "every problem" if c.evict_problems == "all" else
              "the labelled ones (accuracy = how often a policy keeps an answer the full cache got right)"],
             ["comparison", f"paired problem-clustered bootstrap ({c.compare_n_boot} replicates) and exact sign test "
@@ -365,8 +365,9 @@ def selection_section(result, ranking: list[dict[str, Any]], figures: dict) -> s
 
 def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
     c = result.config
-    lines = [f"Every configuration ran under the **{c.protocol}** protocol with `--protect {c.protect}` for all "
-             "policies, so a budget means the same cache for each (a fraction f: K = ceil(f × L) for each "
+    flags = " ".join(c.protocol_flags())
+    lines = [f"Every configuration ran under the **{c.protocol}** protocol with `{flags}` for all policies"
+             ", so a budget means the same cache for each (a fraction f: K = ceil(f × L) for each "
              "problem's dense trace length L; a whole number: K tokens), and a cell's peak cache is the most slots "
              "any KV head held (`max_peak_slots`)."]
     rows = [[r["config"], budget_text(r["budget"]), r["problems"], pct(r["accuracy"]),
@@ -488,7 +489,7 @@ def reproduce_section(result, summary: dict) -> str:
              c.dataset, *(["--data-file", c.data_file] if c.data_file else []),
              *(["--limit", str(c.limit)] if c.limit else []), "--max-new-tokens", str(c.max_new_tokens), "--budget",
              ",".join(str(b) for b in c.budgets), "--reference", result["traces"]["traces"],
-             "--protocol", c.protocol, "--protect", c.protect, "--seed", str(c.seed), "--out", f"rerun-{name}"]
+             "--protocol", c.protocol, *c.protocol_flags(), "--seed", str(c.seed), "--out", f"rerun-{name}"]
     lines += ["", f"The primary configuration ({name}, the top level of `selection.json`; every other one is in "
               "`configs/`) in the evictor (run in this directory):", "", "```", shlex.join(evict), "```"]
     baseline = result["evictor"]["sweeps"][stages.BASELINE_SWEEP]["path"]

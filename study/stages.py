@@ -108,6 +108,21 @@ def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backen
             "reused_file": config.traces is not None}
 
 
+def check_budgets_fit(config: StudyConfig, problems, traces: Outputs, paths: Paths) -> None:
+    """Refuse, right after the traces, a budget that some problem's protected prompt (and recency window) does not
+    fit under the study's protocol (`evictor.sweep.check_budgets_fit`), on the problems the evictor stage may run
+    (with ``evict_problems="labelled"`` the labelled ones are among the correctly answered): the evictor would
+    refuse it only after labelling, signals and selection."""
+    from evictor.sweep import check_budgets_fit as sweep_fits
+
+    file = paths.abs(traces["traces"])
+    ids = {problem.id for problem in problems}
+    records = [t for t in read_traces(file) if t.id in ids
+               and (config.evict_problems == "all" or config.include_incorrect or t.correct)]
+    sweep_fits(sweep_config(config, default_configs(config), file),
+               {t.id: len(t.prompt_ids) for t in records}, {t.id: len(t.generated_ids) for t in records})
+
+
 def kvscope_decode_rate(traces: list[Trace]) -> float | None:
     """Single-sequence decode tokens/s of kvscope's own decoding that `traces` imply, which the study's time estimates
     scale from: the median over traces of each one's tokens/s times the square root of the batch it shared (a trace's
@@ -463,7 +478,7 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
     from evictor.protocol import resolve_protocol
     from evictor.sweep import SweepConfig
 
-    settings = {"protect": config.protect}
+    settings = config.protocol_settings
     sampling = resolve_protocol(config.protocol, settings).sampling
     generation = generation_config(config, temperature=sampling.temperature, top_p=sampling.top_p)
     return SweepConfig(generation=dataclasses.replace(generation, problem_ids=problem_ids),

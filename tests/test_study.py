@@ -446,3 +446,28 @@ def test_the_evictor_estimate_counts_every_deployed_cell_and_the_workers_sharing
     assert alone == pytest.approx(cells * 5 * 300.0 * STEP_OVERHEAD / 2.0 / 4)
     assert estimate_seconds("evictor", config, done, 10, rate=2.0, workers=2) == pytest.approx(alone / 2)
     assert estimate_seconds("evictor", config, done, 10, rate=None) is None
+
+
+def test_a_budget_that_cannot_hold_the_prompt_is_refused_after_the_traces_and_budget_scope_trace_runs(
+        tiny_dir, data_file, tmp_path, capsys):
+    """Random Attention's protocol counts the protected prompt inside K, so half of a 24-token trace cannot hold it:
+    the study says so (one line naming --budget-scope trace) right after the traces, before hours of labelling, and
+    with K counting only the trace it runs, every cell within prompt + K + the protocol's 2r = 128 buffer slots."""
+    out = tmp_path / "ra"
+    assert run_study(tiny_dir, data_file, out, "--protocol", "random_attention") == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the traces stage's progress
+    assert ": error: epikv-K0.5, problem " in error and "exceed the budget" in error
+    assert "--budget-scope trace" in error and error.endswith("--on-long-prompt expand|sinks")
+    assert {name.split("-")[0] for name in stage_dirs(out)} == {"traces"}
+    assert run_study(tiny_dir, data_file, out, "--protocol", "random_attention", "--budget-scope", "trace") == 0
+    report = (out / "report.md").read_text()
+    assert "random_attention** protocol with `--protect prompt --budget-scope trace`" in report
+    assert "| traces | reused |" in report
+    (evictor,) = (out / "stages").glob("evictor-*")
+    assert json.loads((evictor / "stage.json").read_text())["settings"]["budget_scope"] == "trace"
+    cells = [path for path in evictor.rglob("generations.jsonl") if path.parent.name != "full"]
+    assert cells
+    for path in cells:
+        for record in map(json.loads, path.read_text().splitlines()):
+            assert record["sampling"]["temperature"] == 0.6
+            assert record["eviction"]["peak_slots"] <= len(record["prompt_ids"]) + record["budget_tokens"] + 128
