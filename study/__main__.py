@@ -183,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),
         signal_window=args.signal_window, top=args.top, level=args.level, n_boot=args.n_boot,
         protocol=args.protocol, protect=args.protect, budget_scope=args.budget_scope,
-        on_long_prompt=args.on_long_prompt,         compare_n_boot=args.compare_n_boot,
+        on_long_prompt=args.on_long_prompt, compare_n_boot=args.compare_n_boot,
         batch_size=args.batch_size, evict_problems=args.evict_problems, deploy_scorers=args.deploy_scorers,
         seed=args.seed, dtype=args.dtype, device=args.device)
 

@@ -299,6 +299,7 @@ BASES = {
     "geometry.survey": ["--model", "{tiny}", "--prompts", "2", "--ctx", "64", "--queries", "16", "--topk", "16",
                         "--chunk", "32", "--out", "OUT"],
     "models.memory": ["--model", "{tiny}", "--ctx", "64", "--out", "OUT"],
+    "validation.parity": ["--traces", "{traces}", "--out", "OUT", "--quiet"],
     "validation.compare": ["--runs", "{dense}", "{evicted}", "--n-boot", "100", "--out", "OUT"],
     "validation.predictive": ["--ranking", "{ranking}", "--compare", "{comparison}", "--n-boot", "50", "--out", "OUT"],
     "validation.layers": ["--labels", "{labels}", "--signals", "{signals_mean}", "{signals_z}", "--n-boot", "50",
