@@ -13,7 +13,7 @@ from core.schemas import Trace
 from tasks.generation import generate
 from tasks.problem import Problem
 from tasks.prompts import build_prompt_ids
-from validation.parity import Divergence, check_greedy, describe, first_divergence, main, summarize, trace_parity
+from validation.parity import Divergence, check_greedy, describe, greedy_divergence, main, summarize, trace_parity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,10 +23,10 @@ def test_first_divergence_on_hand_made_logits():
                            [2.0, 2.0, 0.0],   # tie between 0 and 1, trace 1: agrees (it attains the maximum)
                            [5.0, 1.0, 4.5],   # argmax 0, trace 2: behind by 0.5, the runner-up
                            [0.0, 0.0, 9.0]])  # later rows do not matter
-    assert first_divergence(logits, torch.tensor([1, 1, 2, 0])) == Divergence(position=2, margin=0.5, rank=1)
-    assert first_divergence(logits, torch.tensor([1, 0, 0, 2])) is None
+    assert greedy_divergence(logits, torch.tensor([1, 1, 2, 0])) == Divergence(position=2, margin=0.5, rank=1)
+    assert greedy_divergence(logits, torch.tensor([1, 0, 0, 2])) is None
     # The trace's token third from the top: two logits above it.
-    assert first_divergence(logits[2:3], torch.tensor([1])) == Divergence(position=0, margin=4.0, rank=2)
+    assert greedy_divergence(logits[2:3], torch.tensor([1])) == Divergence(position=0, margin=4.0, rank=2)
 
 
 def _trace(lm, prompt, generated, **fields) -> Trace:

@@ -55,7 +55,7 @@ class Divergence:
     rank: int
 
 
-def first_divergence(logits: torch.Tensor, tokens: torch.Tensor) -> Divergence | None:
+def greedy_divergence(logits: torch.Tensor, tokens: torch.Tensor) -> Divergence | None:
     """The first row of `logits` [G, vocab] whose largest logit exceeds its logit of `tokens` [G]: row i holds the
     model's logits for the i-th generated token given everything before it. None when the trace's token attains the
     maximum in every row (ties agree)."""
@@ -79,7 +79,7 @@ def trace_parity(lm: Any, trace: Trace) -> dict[str, Any]:
         # Position j predicts token j + 1, so the inputs stop one short and the last `generated` positions are kept.
         ids = torch.tensor([trace.token_ids[:-1]], device=lm.device)  # [1, P + G - 1]
         logits = lm.model(input_ids=ids, logits_to_keep=generated).logits[0].float()  # [G, vocab]
-        divergence = first_divergence(logits, torch.tensor(trace.generated_ids, device=lm.device))
+        divergence = greedy_divergence(logits, torch.tensor(trace.generated_ids, device=lm.device))
     engine = trace.extra.get("engine") or {"name": "hf"}
     return {"id": trace.id, "model": trace.model, "engine": engine.get("name"), "generated": generated,
             "finish_reason": trace.finish_reason, "correct": trace.correct, "identical": divergence is None,
