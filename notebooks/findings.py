@@ -386,16 +386,23 @@ def read_labels(path: Path) -> dict:
             "labelled"}
 
 
+def label_places(records) -> pd.DataFrame:
+    """Window outcomes by where the window lies: fifths of the reasoning span by its start, the window ending at the
+    answer boundary on its own."""
+    places = ["first fifth", "second fifth", "third fifth", "fourth fifth", "last fifth", "at the answer boundary"]
+    counts = pd.DataFrame(0, index=places, columns=["same", "different", "no_answer", "degenerate"])
+    for record in records:
+        start, end = record["reasoning_start"], record["answer_start"]
+        for w in record["windows"]:
+            room = end - start - (w["end"] - w["start"])
+            fifth = min(4, int(5 * (w["start"] - start) / room)) if room > 0 else 0
+            counts.loc[places[5] if w["end"] == end else places[fifth], w["outcome"]] += 1
+    return counts
+
+
 space = read_labels(next(forced_dir.glob("labels-*/labels.jsonl")))
 deletion = read_labels(next(forced_dir.glob("agreement-*/delete/labels.jsonl")))
-places = ["first fifth", "second fifth", "third fifth", "fourth fifth", "last fifth", "at the answer boundary"]
-where = pd.DataFrame(0, index=places, columns=["same", "different", "no_answer", "degenerate"])
-for record in space.values():
-    start, end = record["reasoning_start"], record["answer_start"]
-    for w in record["windows"]:
-        room = end - start - (w["end"] - w["start"])
-        fifth = min(4, int(5 * (w["start"] - start) / room)) if room > 0 else 0
-        where.loc[places[5] if w["end"] == end else places[fifth], w["outcome"]] += 1
+where = label_places(space.values())
 display(where)
 shared = sorted(set(space) & set(deletion))
 
@@ -522,6 +529,32 @@ for budget, rows in larger[larger["budget_a"].notna()].groupby("budget_a"):
         f"Spearman {agreements[-1]:+.2f} over {len(rows)} scorers", "see validation.predictive in command.txt",
         len(rows), "measured", larger_dir.name)
 display(Markdown(f"Mean over the two budgets: Spearman {sum(agreements) / len(agreements):+.2f}."))
+
+# %% [markdown]
+# ## Qwen2.5-Coder-1.5B: where its labels lie and how the scorers rank, on GSM8K and on MATH-500
+# The forced-answer labels of both 1.5B studies (`results/qwen2.5-1.5b-gsm8k/`, `results/qwen2.5-1.5b-math500/`,
+# vLLM traces checked token for token against kvscope's greedy decoding), counted by place as for the 0.5B above,
+# and the offline statistics of each study's selection stage (Fisher-z intervals; the t-interval per layer).
+
+# %%
+larger_studies = {"GSM8K": root / "qwen2.5-1.5b-gsm8k" / "stages", "MATH-500": root / "qwen2.5-1.5b-math500" / "stages"}
+larger_labels = {task: read_labels(next(stages.glob("labels-*/labels.jsonl")))
+                 for task, stages in larger_studies.items()}
+larger_places = {task: label_places(records.values()) for task, records in larger_labels.items()}
+display(pd.concat(larger_places, axis=1))
+# Each study's selection without label agreement: the one the committed evictor cells (GSM8K) were chosen by.
+larger_offline = {task: offline_statistics(next(s.parent for s in stages.glob("selection-*/stage.json")
+                                                if "agreement" not in json.loads(s.read_text())["inputs"]))
+                  for task, stages in larger_studies.items()}
+display(pd.DataFrame(larger_offline))
+for task, counts in larger_places.items():
+    changed = counts["different"] + counts["no_answer"] + counts["degenerate"]
+    add(f"occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-1.5B, {task})",
+        "–", f"{int(changed.sum())} of {int(counts.values.sum())} windows change the answer, "
+        f"{int(counts['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at "
+        f"the answer boundary; recency rho {larger_offline[task]['recency rho']}", "–", len(larger_labels[task]),
+        "labels concentrated at the end of the reasoning",
+        larger_studies[task].parent.name)
 
 # %% [markdown]
 # ## The findings table
