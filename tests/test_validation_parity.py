@@ -18,7 +18,7 @@ from validation.parity import Divergence, check_greedy, describe, greedy_diverge
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_first_divergence_on_hand_made_logits():
+def test_greedy_divergence_on_hand_made_logits():
     logits = torch.tensor([[0.0, 3.0, 1.0],   # argmax 1, trace 1: agrees
                            [2.0, 2.0, 0.0],   # tie between 0 and 1, trace 1: agrees (it attains the maximum)
                            [5.0, 1.0, 4.5],   # argmax 0, trace 2: behind by 0.5, the runner-up
