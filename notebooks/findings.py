@@ -404,7 +404,6 @@ space = read_labels(next(forced_dir.glob("labels-*/labels.jsonl")))
 deletion = read_labels(next(forced_dir.glob("agreement-*/delete/labels.jsonl")))
 where = label_places(space.values())
 display(where)
-shared = sorted(set(space) & set(deletion))
 
 
 def reasoning_labels(record: dict) -> dict:
@@ -414,23 +413,30 @@ def reasoning_labels(record: dict) -> dict:
             if pos in span and label is not None}
 
 
-pairs = []
-for i in shared:
-    a, b = reasoning_labels(space[i]), reasoning_labels(deletion[i])
-    pairs += [(a[pos], b[pos]) for pos in sorted(a.keys() & b.keys())]
-observed = sum(a == b for a, b in pairs) / len(pairs)
-p_a, p_b = (sum(x[k] for x in pairs) / len(pairs) for k in (0, 1))
-expected = p_a * p_b + (1 - p_a) * (1 - p_b)
-kappa = (observed - expected) / (1 - expected)
+def position_kappa(first: dict, second: dict) -> tuple[float, int]:
+    """Cohen's kappa per reasoning position between two label sets (id -> record), over the traces both labelled;
+    returns it with that number of traces."""
+    shared = sorted(set(first) & set(second))
+    pairs = []
+    for i in shared:
+        a, b = reasoning_labels(first[i]), reasoning_labels(second[i])
+        pairs += [(a[pos], b[pos]) for pos in sorted(a.keys() & b.keys())]
+    observed = sum(a == b for a, b in pairs) / len(pairs)
+    p_a, p_b = (sum(x[k] for x in pairs) / len(pairs) for k in (0, 1))
+    expected = p_a * p_b + (1 - p_a) * (1 - p_b)
+    return (observed - expected) / (1 - expected), len(shared)
+
+
+kappa, agreement_traces = position_kappa(space, deletion)
 changed = where["different"] + where["no_answer"] + where["degenerate"]
 display(Markdown(f"{len(space)} traces, {int(where.values.sum())} windows, {int(changed.sum())} change the answer "
                  f"({int(where['no_answer'].sum())} without an answer); in the first four fifths: "
-                 f"{int(changed.iloc[:4].sum())}. Space against deletion on {len(shared)} traces: kappa "
+                 f"{int(changed.iloc[:4].sum())}. Space against deletion on {agreement_traces} traces: kappa "
                  f"{kappa:.3f} per position."))
 add("occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-0.5B, GSM8K)",
     "–", f"{int(changed.sum())} of {int(where.values.sum())} windows change the answer, "
     f"{int(where['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at the "
-    f"answer boundary; space vs deletion kappa {kappa:.3f} per position ({len(shared)} traces)", "–", len(space),
+    f"answer boundary; space vs deletion kappa {kappa:.3f} per position ({agreement_traces} traces)", "–", len(space),
     "labels concentrated at the end of the reasoning", "qwen2.5-0.5b-gsm8k-forced")
 
 # %% [markdown]
@@ -547,12 +553,20 @@ larger_offline = {task: offline_statistics(next(s.parent for s in stages.glob("s
                                                 if "agreement" not in json.loads(s.read_text())["inputs"]))
                   for task, stages in larger_studies.items()}
 display(pd.DataFrame(larger_offline))
+# Label agreement across fillers where a study relabelled traces with deletion (the GSM8K study did not).
+larger_kappa = {task: position_kappa(larger_labels[task], read_labels(deletion))
+                for task, stages in larger_studies.items()
+                for deletion in stages.glob("agreement-*/delete/labels.jsonl")}
+display(Markdown("; ".join(f"{task}: space against deletion on {n} traces, kappa {k:.3f} per position"
+                           for task, (k, n) in larger_kappa.items())))
 for task, counts in larger_places.items():
     changed = counts["different"] + counts["no_answer"] + counts["degenerate"]
     add(f"occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-1.5B, {task})",
         "–", f"{int(changed.sum())} of {int(counts.values.sum())} windows change the answer, "
         f"{int(counts['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at "
-        f"the answer boundary; recency rho {larger_offline[task]['recency rho']}", "–", len(larger_labels[task]),
+        f"the answer boundary; recency rho {larger_offline[task]['recency rho']}"
+        + (f"; space vs deletion kappa {larger_kappa[task][0]:.3f} per position ({larger_kappa[task][1]} traces)"
+           if task in larger_kappa else ""), "–", len(larger_labels[task]),
         "labels concentrated at the end of the reasoning",
         larger_studies[task].parent.name)
 
