@@ -400,6 +400,14 @@ def label_places(records) -> pd.DataFrame:
     return counts
 
 
+def where_summary(counts: pd.DataFrame) -> str:
+    """How many windows change the answer and where, from `label_places`'s counts (the findings table's words)."""
+    changed = counts["different"] + counts["no_answer"] + counts["degenerate"]
+    return (f"{int(changed.sum())} of {int(counts.values.sum())} windows change the answer, "
+            f"{int(counts['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or "
+            "at the answer boundary")
+
+
 space = read_labels(next(forced_dir.glob("labels-*/labels.jsonl")))
 deletion = read_labels(next(forced_dir.glob("agreement-*/delete/labels.jsonl")))
 where = label_places(space.values())
@@ -434,9 +442,8 @@ display(Markdown(f"{len(space)} traces, {int(where.values.sum())} windows, {int(
                  f"{int(changed.iloc[:4].sum())}. Space against deletion on {agreement_traces} traces: kappa "
                  f"{kappa:.3f} per position."))
 add("occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-0.5B, GSM8K)",
-    "–", f"{int(changed.sum())} of {int(where.values.sum())} windows change the answer, "
-    f"{int(where['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at the "
-    f"answer boundary; space vs deletion kappa {kappa:.3f} per position ({agreement_traces} traces)", "–", len(space),
+    "–", f"{where_summary(where)}; space vs deletion kappa {kappa:.3f} per position ({agreement_traces} traces)", "–",
+    len(space),
     "labels concentrated at the end of the reasoning", "qwen2.5-0.5b-gsm8k-forced")
 
 # %% [markdown]
@@ -560,11 +567,8 @@ larger_kappa = {task: position_kappa(larger_labels[task], read_labels(deletion))
 display(Markdown("; ".join(f"{task}: space against deletion on {n} traces, kappa {k:.3f} per position"
                            for task, (k, n) in larger_kappa.items())))
 for task, counts in larger_places.items():
-    changed = counts["different"] + counts["no_answer"] + counts["degenerate"]
     add(f"occlusion labels under a forced answer: where the windows that change the answer lie (Qwen2.5-1.5B, {task})",
-        "–", f"{int(changed.sum())} of {int(counts.values.sum())} windows change the answer, "
-        f"{int(counts['no_answer'].sum())} without an answer; {int(changed.iloc[4:].sum())} in the last fifth or at "
-        f"the answer boundary; recency rho {larger_offline[task]['recency rho']}"
+        "–", f"{where_summary(counts)}; recency rho {larger_offline[task]['recency rho']}"
         + (f"; space vs deletion kappa {larger_kappa[task][0]:.3f} per position ({larger_kappa[task][1]} traces)"
            if task in larger_kappa else ""), "–", len(larger_labels[task]),
         "labels concentrated at the end of the reasoning",
