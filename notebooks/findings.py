@@ -519,29 +519,35 @@ for budget, rows in evicting.groupby("budget_a"):
         "measured", forced_dir.name)
 
 # %% [markdown]
-# ## Qwen2.5-Coder-1.5B on GSM8K: the same loop on a larger model, its evictor at a quarter and at half
-# The 1.5B study (`results/qwen2.5-1.5b-gsm8k/`: 45 correctly answered vLLM traces, forced-answer labels) evicted at
-# a quarter of each trace and, in a second run on the same labels, at half (`half/`). The best scored policy against
-# random at each budget, and Spearman's rho between the offline rho and the deployed difference across the six
-# scorers, pooled over both runs and recomputed here with scipy.
+# ## Qwen2.5-Coder-1.5B on GSM8K and MATH-500: the same loop on a larger model and a harder task, its evictor
+# The 1.5B studies (`results/qwen2.5-1.5b-gsm8k/`: 45 correctly answered vLLM traces; `results/qwen2.5-1.5b-math500/`:
+# 37, up to 1,024 new tokens; forced-answer labels) evicted at a quarter of each trace and, for GSM8K in a second run
+# on the same labels, at half (`half/`). The best scored policy against random at each budget, and Spearman's rho
+# between the offline rho and the deployed difference across the six scorers, per budget and recomputed here with
+# scipy.
 
 # %%
-larger_dir = root / "qwen2.5-1.5b-gsm8k"
-larger = pd.concat([pd.read_csv(larger_dir / "compare.csv"), pd.read_csv(larger_dir / "half" / "compare.csv")])
-larger = larger[larger["error"].isna()]
-display(larger[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p",
-                "sign_p_value"]].round(3))
-larger_scores = pd.read_csv(next((larger_dir / "stages").glob("selection-*")) / "ranking.csv")
-agreements = []
-for budget, rows in larger[larger["budget_a"].notna()].groupby("budget_a"):
-    add_best_against_random(rows, larger_dir.name,
-                            f"random (prompt kept) matches the best scored policy, Qwen2.5-1.5B, budget {budget:g}")
-    offline_rho = [deployed(name, larger_scores)["within_rho"] for name in rows["config"]]
-    agreements.append(spearmanr(offline_rho, rows["difference"]).statistic)
-    add(f"the offline rho orders the scorers as eviction does, Qwen2.5-1.5B, budget {budget:g}", "–",
-        f"Spearman {agreements[-1]:+.2f} over {len(rows)} scorers", "see validation.predictive in command.txt",
-        len(rows), "measured", larger_dir.name)
-display(Markdown(f"Mean over the two budgets: Spearman {sum(agreements) / len(agreements):+.2f}."))
+larger_runs = {"GSM8K": ("qwen2.5-1.5b-gsm8k", ["compare.csv", "half/compare.csv"]),
+               "MATH-500": ("qwen2.5-1.5b-math500", ["compare.csv"])}
+for task, (folder, tables) in larger_runs.items():
+    larger_dir = root / folder
+    larger = pd.concat([pd.read_csv(larger_dir / table) for table in tables])
+    larger = larger[larger["error"].isna()]
+    display(Markdown(f"**{task}**"))
+    display(larger[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
+                    "bootstrap_p", "sign_p_value"]].round(3))
+    larger_scores = pd.read_csv(next((larger_dir / "stages").glob("selection-*")) / "ranking.csv")
+    agreements = []
+    for budget, rows in larger[larger["budget_a"].notna()].groupby("budget_a"):
+        add_best_against_random(rows, folder, "random (prompt kept) matches the best scored policy, "
+                                f"Qwen2.5-1.5B, {task}, budget {budget:g}")
+        offline_rho = [deployed(name, larger_scores)["within_rho"] for name in rows["config"]]
+        agreements.append(spearmanr(offline_rho, rows["difference"]).statistic)
+        add(f"the offline rho orders the scorers as eviction does, Qwen2.5-1.5B, {task}, budget {budget:g}", "–",
+            f"Spearman {agreements[-1]:+.2f} over {len(rows)} scorers", "see the study's command.txt and report.md",
+            len(rows), "measured", folder)
+    display(Markdown(f"{task}, mean over {len(agreements)} budget(s): Spearman "
+                     f"{sum(agreements) / len(agreements):+.2f}."))
 
 # %% [markdown]
 # ## Qwen2.5-Coder-1.5B: where its labels lie and how the scorers rank, on GSM8K and on MATH-500
