@@ -521,14 +521,14 @@ for budget, rows in evicting.groupby("budget_a"):
 # %% [markdown]
 # ## Qwen2.5-Coder-1.5B on GSM8K and MATH-500: the same loop on a larger model and a harder task, its evictor
 # The 1.5B studies (`results/qwen2.5-1.5b-gsm8k/`: 45 correctly answered vLLM traces; `results/qwen2.5-1.5b-math500/`:
-# 37, up to 1,024 new tokens; forced-answer labels) evicted at a quarter of each trace and, for GSM8K in a second run
-# on the same labels, at half (`half/`). The best scored policy against random at each budget, and Spearman's rho
+# 37, up to 1,024 new tokens; forced-answer labels) evicted at a quarter of each trace and, in a second run on the
+# same labels, at half (`half/`). The best scored policy against random at each budget, and Spearman's rho
 # between the offline rho and the deployed difference across the six scorers, per budget and recomputed here with
 # scipy.
 
 # %%
 larger_runs = {"GSM8K": ("qwen2.5-1.5b-gsm8k", ["compare.csv", "half/compare.csv"]),
-               "MATH-500": ("qwen2.5-1.5b-math500", ["compare.csv"])}
+               "MATH-500": ("qwen2.5-1.5b-math500", ["compare.csv", "half/compare.csv"])}
 for task, (folder, tables) in larger_runs.items():
     larger_dir = root / folder
     larger = pd.concat([pd.read_csv(larger_dir / table) for table in tables])
