@@ -340,18 +340,8 @@ def selection_section(result, ranking: list[dict[str, Any]], figures: dict) -> s
         lines.append("Bands of g_l (runs of adjacent significant layers): " + (
             "; ".join(f"{'+' if b['sign'] > 0 else '−'} layers {b['layers'][0]}–{b['layers'][-1]} (peak "
                       f"{b['peak_layer']}, rho {fmt(b['peak_rho'])})" for b in bands) if bands else "none found."))
-    robustness = selection.get("robustness")
-    if robustness:
-        names = [name for name in robustness["rows"][0] if name != "scorer"] if robustness["rows"] else []
-        rows = [[r["scorer"], *[fmt(r[name]) for name in names]] for r in robustness["rows"]]
-        lines += ["", f"### Scorer ranking under each replacement ({robustness['traces']} traces labelled by every "
-                  "set)", "", "Each replayed scorer's within-trace rho (its own aggregate score) with the labels "
-                  "made by each filler; a finding rests on labels that agree:", "",
-                  table(["scorer", *[f"rho ({name})" for name in names]], rows), ""]
-        lines += [f"- {r['a']} vs {r['b']}: Spearman {fmt(r['spearman'])} across {r['scorers']} scorers; best "
-                  f"{r['best_a']} vs {r['best_b']}" + (" (the same)" if r["best_a"] == r["best_b"] else
-                                                       " (**the best scorer changes**)")
-                  for r in robustness["agreement"]]
+    if selection.get("robustness"):
+        lines += ["", *robustness_lines(selection["robustness"])]
     if selection["chosen"]:
         defaults = defaults_of(result)
         rows = [[stages.ran_as(c["name"], selection["configs"][c["name"]], defaults), c["policy"],
@@ -361,6 +351,20 @@ def selection_section(result, ranking: list[dict[str, Any]], figures: dict) -> s
                   "baseline or a paper's default runs once, under that name; each is in `configs/<name>.json`):", "",
                   table(["ran as", "policy", "params", "scorer", "rho", f"{level} t (traces)"], rows)]
     return "\n".join(lines)
+
+
+def robustness_lines(robustness: dict[str, Any]) -> list[str]:
+    """The scorer ranking under each replacement (`stages.robustness_table`), as report lines."""
+    names = robustness["sets"]
+    rows = [[r["scorer"], *[fmt(r[name]) for name in names]] for r in robustness["rows"]]
+    lines = [f"### Scorer ranking under each replacement ({robustness['traces']} traces labelled by every set)", "",
+             "Each replayed scorer's within-trace rho (its own aggregate score) with the labels made by each filler; "
+             "a finding rests on labels that agree:", "", table(["scorer", *[f"rho ({name})" for name in names]], rows),
+             ""]
+    return lines + [f"- {r['a']} vs {r['b']}: Spearman {fmt(r['spearman'])} across {r['scorers']} scorers; best "
+                    f"{r['best_a']} vs {r['best_b']}" + (" (the same)" if r["best_a"] == r["best_b"] else
+                                                         " (**the best scorer changes**)")
+                    for r in robustness["agreement"]]
 
 
 def eviction_section(result, accuracy: list[dict], figures: dict) -> str:

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from study.config import (
     is_known_answer,
 )
 from validation.predictive import SELECTED_PREFIX
+
+if TYPE_CHECKING:
+    from validation.signals import Aligned
 
 Outputs = dict[str, Any]
 TRACES_FILE = "generations.jsonl"
@@ -326,30 +329,42 @@ def default_configs(config: StudyConfig, known: Outputs | None = None) -> dict[s
             for name in names}
 
 
-def ranking_robustness(config: StudyConfig, agreement: Outputs, files: tuple[str, ...], paths: Paths) -> Outputs:
-    """Each replayed scorer's within-trace rho (its own aggregate score) under the labels of every replacement the
-    agreement stage compared, on the traces every set labelled, and Spearman's rho between the study's ranking and
-    each other one: does a finding survive a change of filler?"""
+def ranking_robustness(config: StudyConfig, agreement: Outputs, labels_file: str, files: tuple[str, ...],
+                       paths: Paths) -> Outputs:
+    """The scorer ranking under the labels of every replacement the agreement stage compared (`robustness_table`),
+    against the study's own labels (`labels_file`): does a finding survive a change of filler?"""
+    from validation.signals import load_aligned
+
+    sets = {chosen: load_aligned(paths.abs(file), files) for chosen, file in agreement["files"].items()}
+    study_filler = next(chosen for chosen, file in agreement["files"].items() if file == labels_file)
+    scorers = [scorer for scorer in config.scorers if scorer != "random"]
+    return robustness_table(sets, study_filler, scorers, config.level, config.n_boot, config.seed)
+
+
+def robustness_table(sets: dict[str, Aligned], reference: str, scorers: list[str], level: float, n_boot: int,
+                     seed: int) -> Outputs:
+    """Each scorer's within-trace rho (its own aggregate score, `{scorer}.agg.raw`) under each label set, on the
+    traces every set labelled, and Spearman's rho between the `reference` set's scorer ranking and each other one's.
+    "sets" names the label sets in that order, reference first whatever the order of `sets` (a stage file sorts the
+    keys of each row)."""
     from scipy.stats import spearmanr
 
     from validation.correlation import signal_table
-    from validation.signals import load_aligned
 
-    names = [f"{scorer}.agg.raw" for scorer in config.scorers if scorer != "random"]
-    sets = {chosen: load_aligned(paths.abs(file), files) for chosen, file in agreement["files"].items()}
+    names = [f"{scorer}.agg.raw" for scorer in scorers]
     shared = set.intersection(*({t.id for t in aligned.traces} for aligned in sets.values()))
     rho = {}
-    for chosen, aligned in sets.items():
-        present = [n for n in names if n in aligned.names]
-        subset = aligned.select(present)._replace(present, [t for t in aligned.traces if t.id in shared]).finite()
-        rows = signal_table(subset, config.level, n_boot=config.n_boot, seed=config.seed)
+    for chosen in [reference, *(other for other in sets if other != reference)]:
+        scored = sets[chosen].select([n for n in names if n in sets[chosen].names])
+        subset = scored._replace(scored.names, [t for t in scored.traces if t.id in shared]).finite()
+        rows = signal_table(subset, level, n_boot=n_boot, seed=seed)
         rho[chosen] = {row["signal"].removesuffix(".agg.raw"): row["within_rho"] for row in rows}
     main, *others = list(rho)
-    scorers = list(rho[main])
-    rows = [{"scorer": scorer, **{chosen: rho[chosen].get(scorer) for chosen in rho}} for scorer in scorers]
+    ranked = list(rho[main])
+    rows = [{"scorer": scorer, **{chosen: rho[chosen].get(scorer) for chosen in rho}} for scorer in ranked]
     agreement_rows = []
     for other in others:
-        pairs = [(rho[main][s], rho[other].get(s)) for s in scorers]
+        pairs = [(rho[main][s], rho[other].get(s)) for s in ranked]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None and np.isfinite(a) and np.isfinite(b)]
         agreement_rows.append({
             "a": main, "b": other, "scorers": len(pairs),
@@ -357,7 +372,7 @@ def ranking_robustness(config: StudyConfig, agreement: Outputs, files: tuple[str
             "best_a": max(rho[main], key=lambda s: np.nan_to_num(rho[main][s], nan=-2)),
             "best_b": max(rho[other], key=lambda s: np.nan_to_num(rho[other][s], nan=-2)),
         })
-    return {"traces": len(shared), "rows": rows, "agreement": agreement_rows}
+    return {"traces": len(shared), "sets": list(rho), "rows": rows, "agreement": agreement_rows}
 
 
 def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path: Path, paths: Paths,
@@ -397,7 +412,7 @@ def selection_stage(config: StudyConfig, labels: Outputs, signals: Outputs, path
             "nonfinite_positions_dropped": summary["nonfinite_positions_dropped"], "n_tokens": summary["n_tokens"],
             "chosen": selection.chosen, "configs": selection.configs, "labels": labels["labels"],
             "signals": list(signals["files"]),
-            "robustness": ranking_robustness(config, agreement, files, paths)
+            "robustness": ranking_robustness(config, agreement, labels["labels"], files, paths)
             if agreement and len(agreement.get("files", {})) > 1 else None}
 
 

@@ -172,6 +172,67 @@ def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scip
     assert mean == pytest.approx(float(reported["within_rho"]), abs=1e-9)
 
 
+
+def test_the_ranking_under_each_replacement_recomputes_from_the_label_sets_with_scipy(study):
+    """The robustness table: each scorer's within-trace rho, read from its own aggregate score, under every label set
+    the agreement stage compared, on the traces both sets labelled."""
+    stages = {path.name.split("-")[0]: path for path in (study / "stages").iterdir()}
+    agreement = json.loads((stages["agreement"] / "stage.json").read_text())["outputs"]
+    robustness = json.loads((stages["selection"] / "stage.json").read_text())["outputs"]["robustness"]
+    replay = {r["id"]: r for r in map(json.loads, (stages["signals"] / "replay.jsonl").read_text().splitlines())}
+    scorers = [row["scorer"] for row in robustness["rows"]]
+    assert set(scorers) == set(SCORERS.split(",")) - {"random"}
+    recomputed = {}
+    for chosen, path in agreement["files"].items():
+        labels = [r for r in map(json.loads, (study / path).read_text().splitlines()) if r["status"] == "labelled"]
+        for scorer in scorers:
+            rhos = []
+            for label in labels:
+                scores = replay[label["id"]]["signals"]
+                span = range(label["reasoning_start"], label["answer_start"])
+                kept = [p for p in span if all(scores[s]["agg"][p] is not None for s in scorers)]
+                rho = spearmanr([scores[scorer]["agg"][p] for p in kept], [label["labels"][p] for p in kept]).statistic
+                if np.isfinite(rho):
+                    rhos.append(rho)
+            recomputed[chosen, scorer] = np.tanh(np.mean(np.arctanh(np.clip(rhos, -0.9999, 0.9999))))
+    assert robustness["traces"] == 4 and len(agreement["files"]) >= 2
+    for row in robustness["rows"]:
+        for chosen in agreement["files"]:
+            assert row[chosen] == pytest.approx(recomputed[chosen, row["scorer"]], abs=1e-9, nan_ok=True), (chosen, row)
+    study_filler = next(chosen for chosen, path in agreement["files"].items() if path.startswith("stages/labels-"))
+    assert robustness["sets"][0] == study_filler and set(robustness["sets"]) == set(agreement["files"])
+    assert {row["a"] for row in robustness["agreement"]} == {study_filler}  # each other set against the study's
+    assert len({round(row[study_filler], 9) for row in robustness["rows"]}) > 2  # the scorers are told apart
+
+
+def test_the_ranking_under_each_replacement_reads_each_scorer_by_name_on_shared_traces():
+    """Hand-made label sets: `a` scores by position, `b` against it and `c` peaks mid-trace, behind an unrelated
+    column; the labels rise with position, so rho(a) = -rho(b) = Spearman(position, labels) in every trace. A trace
+    only one set labelled is left out, and the reference set comes first whatever the order of the sets."""
+    from study.stages import robustness_table
+    from validation.signals import Aligned, AlignedTrace
+
+    positions = np.arange(20)
+    columns = np.column_stack([np.cos(positions), positions, -positions, -(positions - 10.0) ** 2])
+    names = ["unrelated.l0.raw", "a.agg.raw", "b.agg.raw", "c.agg.raw"]
+
+    def label_set(threshold, ids):
+        labels = (positions >= threshold).astype(float)
+        return Aligned(names, [AlignedTrace(i, positions, labels, columns) for i in ids])
+
+    sets = {"delete": label_set(12, ["t0", "t1", "t2", "only-here"]), "space": label_set(15, ["t0", "t1", "t2"])}
+    table = robustness_table(sets, "space", ["a", "b", "c"], level=0.95, n_boot=50, seed=0)
+    assert table["traces"] == 3
+    for row in table["rows"]:
+        for chosen, threshold in (("space", 15), ("delete", 12)):
+            step = spearmanr(positions, positions >= threshold).statistic
+            expected = {"a": step, "b": -step}.get(row["scorer"])
+            if expected is not None:
+                assert row[chosen] == pytest.approx(expected, abs=1e-9)
+    assert table["sets"] == ["space", "delete"]
+    assert table["agreement"] == [{"a": "space", "b": "delete", "scorers": 3, "spearman": 1.0, "best_a": "a",
+                                   "best_b": "a"}]
+
 def test_the_selected_configuration_runs_in_the_evictor(study, tiny_dir, data_file, tmp_path):
     selection = json.loads((study / "selection.json").read_text())
     traces = next((study / "stages").glob("traces-*")) / "generations.jsonl"
