@@ -355,8 +355,7 @@ def robustness_table(sets: dict[str, Aligned], reference: str, scorers: list[str
     shared = set.intersection(*({t.id for t in aligned.traces} for aligned in sets.values()))
     rho = {}
     for chosen in [reference, *(other for other in sets if other != reference)]:
-        scored = sets[chosen].select([n for n in names if n in sets[chosen].names])
-        subset = scored._replace(scored.names, [t for t in scored.traces if t.id in shared]).finite()
+        subset = sets[chosen].select([n for n in names if n in sets[chosen].names]).restrict(shared).finite()
         rows = signal_table(subset, level, n_boot=n_boot, seed=seed)
         rho[chosen] = {row["signal"].removesuffix(".agg.raw"): row["within_rho"] for row in rows}
     main, *others = list(rho)

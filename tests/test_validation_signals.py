@@ -82,6 +82,9 @@ def test_alignment_by_id_and_position(tmp_path):
     assert picked.names == ["t.agg.raw"] and picked.traces[0].values[:, 0].tolist() == [1, 0, 0]
     with pytest.raises(UsageError, match="unknown signal 'u'"):
         aligned.select(["u"])
+    only_b = picked.restrict({"b", "not-aligned"})
+    assert only_b.names == ["t.agg.raw"] and [t.id for t in only_b.traces] == ["b"]
+    assert only_b.traces[0].values.tolist() == [[3.0], [4.0]]  # the picked column, not the first of all
 
 
 def test_records_keyed_by_the_older_trace_id_still_read(tmp_path):

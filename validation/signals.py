@@ -130,6 +130,10 @@ class Aligned:
         traces = [AlignedTrace(t.id, t.positions, t.labels, t.values[:, cols]) for t in self.traces]
         return self._replace(names, traces)
 
+    def restrict(self, ids: set[str]) -> Aligned:
+        """The same signals on the traces whose id is in `ids` only."""
+        return self._replace(self.names, [t for t in self.traces if t.id in ids])
+
     def with_columns(self, names: list[str], columns: list[list[np.ndarray]]) -> Aligned:
         """Append derived signals; `columns[j][i]` is signal `names[j]` for trace i ([T_i])."""
         traces = [AlignedTrace(t.id, t.positions, t.labels, np.column_stack([t.values, *(c[i] for c in columns)]))
