@@ -172,7 +172,6 @@ def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scip
     assert mean == pytest.approx(float(reported["within_rho"]), abs=1e-9)
 
 
-
 def test_the_ranking_under_each_replacement_recomputes_from_the_label_sets_with_scipy(study):
     """The robustness table: each scorer's within-trace rho, read from its own aggregate score, under every label set
     the agreement stage compared, on the traces both sets labelled."""
@@ -232,6 +231,7 @@ def test_the_ranking_under_each_replacement_reads_each_scorer_by_name_on_shared_
     assert table["sets"] == ["space", "delete"]
     assert table["agreement"] == [{"a": "space", "b": "delete", "scorers": 3, "spearman": 1.0, "best_a": "a",
                                    "best_b": "a"}]
+
 
 def test_the_selected_configuration_runs_in_the_evictor(study, tiny_dir, data_file, tmp_path):
     selection = json.loads((study / "selection.json").read_text())
