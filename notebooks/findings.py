@@ -561,12 +561,12 @@ larger_labels = {task: read_labels(next(stages.glob("labels-*/labels.jsonl")))
                  for task, stages in larger_studies.items()}
 larger_places = {task: label_places(records.values()) for task, records in larger_labels.items()}
 display(pd.concat(larger_places, axis=1))
-# Each study's selection without label agreement: the one the committed evictor cells (GSM8K) were chosen by.
+# Each study's selection without label agreement (the same ranking as the one after it): the first computed.
 larger_offline = {task: offline_statistics(next(s.parent for s in stages.glob("selection-*/stage.json")
                                                 if "agreement" not in json.loads(s.read_text())["inputs"]))
                   for task, stages in larger_studies.items()}
 display(pd.DataFrame(larger_offline))
-# Label agreement across fillers where a study relabelled traces with deletion (the GSM8K study did not).
+# Label agreement across fillers: each study relabelled its first 12 traces with deletion.
 larger_kappa = {task: position_kappa(larger_labels[task], read_labels(deletion))
                 for task, stages in larger_studies.items()
                 for deletion in stages.glob("agreement-*/delete/labels.jsonl")}
