@@ -355,6 +355,11 @@ def selection_section(result, ranking: list[dict[str, Any]], figures: dict) -> s
 
 def robustness_lines(robustness: dict[str, Any]) -> list[str]:
     """The scorer ranking under each replacement (`stages.robustness_table`), as report lines."""
+    if "sets" not in robustness:  # stored by a kvscope before b5df263, whose table read other signals' columns
+        return ["### Scorer ranking under each replacement", "",
+                "Not shown: the selection stage that holds it was computed by a kvscope whose table read some "
+                "scorers from other signals' columns. Delete that stage's `stage.json` (the Stages table names it) "
+                "and rerun the same command: the selection is recomputed and every other stage is reused."]
     names = robustness["sets"]
     rows = [[r["scorer"], *[fmt(r[name]) for name in names]] for r in robustness["rows"]]
     lines = [f"### Scorer ranking under each replacement ({robustness['traces']} traces labelled by every set)", "",

@@ -208,6 +208,7 @@ def test_the_ranking_under_each_replacement_reads_each_scorer_by_name_on_shared_
     """Hand-made label sets: `a` scores by position, `b` against it and `c` peaks mid-trace, behind an unrelated
     column; the labels rise with position, so rho(a) = -rho(b) = Spearman(position, labels) in every trace. A trace
     only one set labelled is left out, and the reference set comes first whatever the order of the sets."""
+    from study.report import robustness_lines
     from study.stages import robustness_table
     from validation.signals import Aligned, AlignedTrace
 
@@ -231,6 +232,10 @@ def test_the_ranking_under_each_replacement_reads_each_scorer_by_name_on_shared_
     assert table["sets"] == ["space", "delete"]
     assert table["agreement"] == [{"a": "space", "b": "delete", "scorers": 3, "spearman": 1.0, "best_a": "a",
                                    "best_b": "a"}]
+    text = "\n".join(robustness_lines(table))
+    assert "| scorer | rho (space) | rho (delete) |\n" in text and "\n- space vs delete: Spearman 1.000" in text
+    del table["sets"]  # as a selection stage stored before the fix holds it: its numbers are not shown
+    assert "|" not in "\n".join(robustness_lines(table))
 
 
 def test_the_selected_configuration_runs_in_the_evictor(study, tiny_dir, data_file, tmp_path):
