@@ -140,6 +140,12 @@ def test_the_study_writes_every_deliverable(study):
     assert revision is None or len(revision["commit"]) == 40 and f"`{revision['commit']}`" in report
 
 
+def fisher_z_mean(rhos: list[float]) -> float:
+    """The within-trace rho as the study reports it: the mean of the per-trace rho on Fisher's z scale (clipped as
+    the study clips a perfect rho)."""
+    return float(np.tanh(np.mean(np.arctanh(np.clip(rhos, -0.9999, 0.9999)))))
+
+
 def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scipy(study):
     report = (study / "report.md").read_text()
     labels_path = study / re.search(r"^- labels: `([^`]+)`", report, re.M).group(1)
@@ -167,7 +173,7 @@ def test_the_reported_rho_recomputes_from_the_labels_and_signals_files_with_scip
         rho = spearmanr(x, y).statistic
         if np.isfinite(rho):
             rhos.append(rho)
-    mean = np.tanh(np.mean(np.arctanh(np.clip(rhos, -0.9999, 0.9999))))
+    mean = fisher_z_mean(rhos)
     assert transform == "raw" and len(rhos) == int(reported["within_n_eff"])
     assert mean == pytest.approx(float(reported["within_rho"]), abs=1e-9)
 
@@ -193,7 +199,7 @@ def test_the_ranking_under_each_replacement_recomputes_from_the_label_sets_with_
                 rho = spearmanr([scores[scorer]["agg"][p] for p in kept], [label["labels"][p] for p in kept]).statistic
                 if np.isfinite(rho):
                     rhos.append(rho)
-            recomputed[chosen, scorer] = np.tanh(np.mean(np.arctanh(np.clip(rhos, -0.9999, 0.9999))))
+            recomputed[chosen, scorer] = fisher_z_mean(rhos)
     assert robustness["traces"] == 4 and len(agreement["files"]) >= 2
     for row in robustness["rows"]:
         for chosen in agreement["files"]:
