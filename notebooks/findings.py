@@ -158,13 +158,22 @@ display(Markdown(f"The labels themselves track position: recency's rho is {recen
 # %%
 accuracy = pd.read_csv(study_dir / "accuracy.csv")
 show(plot_accuracy_vs_budget(accuracy.assign(policy=accuracy["config"])), fig_dir, "accuracy_budget")
-compare = pd.read_csv(study_dir / "compare.csv")
-compared = compare[compare["error"].isna()].copy()
+def read_comparisons(*tables: Path) -> pd.DataFrame:
+    """The rows of `validation.compare` tables that compared (a refused pair carries its reason in `error`)."""
+    rows = pd.concat([pd.read_csv(table) for table in tables])
+    return rows[rows["error"].isna()].copy()
+
+
+def display_comparisons(rows: pd.DataFrame) -> None:
+    display(rows[["config", "budget_a", "n_problems", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
+                  "bootstrap_p", "sign_p_value"]].round(3))
+
+
+compared = read_comparisons(study_dir / "compare.csv")
 compared["label"] = compared["config"] + " @ " + compared["budget_a"].astype(str)
 show(plot_forest(compared, value="difference", low="ci_lo", high="ci_hi", xlabel="accuracy − random (paired)"),
      fig_dir, "difference_vs_random")
-display(compared[["config", "budget_a", "n_problems", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
-                  "bootstrap_p", "sign_p_value"]].round(3))
+display_comparisons(compared)
 
 
 def add_best_against_random(compared: pd.DataFrame, source: str, claim: str) -> None:
@@ -503,10 +512,8 @@ display(pd.DataFrame({"earlier labels": offline_statistics(study_dir),
 from scipy.stats import spearmanr
 
 forced_dir = root / "qwen2.5-0.5b-gsm8k-forced"
-forced = pd.read_csv(forced_dir / "compare.csv")
-forced = forced[forced["error"].isna()]
-display(forced[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi", "bootstrap_p",
-                "sign_p_value"]].round(3))
+forced = read_comparisons(forced_dir / "compare.csv")
+display_comparisons(forced)
 forced_scores = pd.read_csv(restated / "ranking.csv")
 evicting = forced[forced["budget_a"].notna()]
 for budget, rows in evicting.groupby("budget_a"):
@@ -532,11 +539,9 @@ larger_runs = {"GSM8K": ("qwen2.5-1.5b-gsm8k", ["compare.csv", "half/compare.csv
                "MATH-500": ("qwen2.5-1.5b-math500", ["compare.csv", "half/compare.csv"])}
 for task, (folder, tables) in larger_runs.items():
     larger_dir = root / folder
-    larger = pd.concat([pd.read_csv(larger_dir / table) for table in tables])
-    larger = larger[larger["error"].isna()]
+    larger = read_comparisons(*(larger_dir / table for table in tables))
     display(Markdown(f"**{task}**"))
-    display(larger[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
-                    "bootstrap_p", "sign_p_value"]].round(3))
+    display_comparisons(larger)
     larger_scores = pd.read_csv(next((larger_dir / "stages").glob("selection-*")) / "ranking.csv")
     agreements = []
     for budget, rows in larger[larger["budget_a"].notna()].groupby("budget_a"):
@@ -552,11 +557,9 @@ for task, (folder, tables) in larger_runs.items():
     # Random Attention's own protocol (periodic eviction past a 64-token buffer, T = 0.6) on the same problems, where
     # run: the claim is the same, the cells are sampled, so full is the reference a scored policy could reach.
     for protocol_table in sorted(larger_dir.glob("random-attention*/compare.csv")):
-        sampled = pd.read_csv(protocol_table)
-        sampled = sampled[sampled["error"].isna()]
+        sampled = read_comparisons(protocol_table)
         display(Markdown(f"{task}, Random Attention's protocol (`{protocol_table.parent.name}/`)"))
-        display(sampled[["config", "budget_a", "accuracy_a", "accuracy_b", "difference", "ci_lo", "ci_hi",
-                         "bootstrap_p", "sign_p_value"]].round(3))
+        display_comparisons(sampled)
         for budget, rows in sampled.groupby("budget_a"):
             add_best_against_random(rows, f"{folder}/{protocol_table.parent.name}",
                                     "random (prompt kept) matches the best scored policy under Random Attention's "
