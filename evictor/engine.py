@@ -72,8 +72,8 @@ class SequenceResult:
     budget: int | None  # effective K of this sequence (None: the policy never evicts)
     protected: int  # positions below this were protected
     recency: int  # the recency window of this sequence
-    rounds: int  # eviction rounds that removed tokens of this sequence (prefill blocks included)
-    cache_sizes: list[int]  # resident tokens attended over at each forward (prefill blocks, then decode steps)
+    rounds: int  # eviction rounds that removed tokens of this sequence while it was live (prefill blocks included)
+    cache_sizes: list[int]  # resident tokens attended over at each of its live forwards (prefill blocks, then decode)
     keep_log: dict[str, np.ndarray] | None = None
     # why this sequence ran outside its policy's protocol (`Policy.outside_protocol`), None when inside
     outside_protocol: str | None = None
@@ -199,6 +199,8 @@ class EvictionEngine:
                         free = len(generated[seq]) - len(forced[seq])
                         stopped[seq] = free > 0 and token in eos
                         finished[seq] = stopped[seq] or free >= max_new_tokens
+                        if finished[seq]:
+                            session.retire(seq)
                 if all(finished) or index == steps - 1:
                     break
                 with require_flash(self.model, "the eviction engine's decode", when=index == shared):
@@ -270,6 +272,9 @@ class Session:
         self.step_index = 0
         self.phase = "prefill"
         self.rounds = [0] * batch
+        # A batch decodes until its last sequence is done; a finished one still rides along (its rows are computed
+        # and evicted to keep the batch's tensors aligned), but its rounds and cache sizes stop counting.
+        self.live = [True] * batch
         self.cache_sizes: list[list[int]] = [[] for _ in range(batch)]
         self.peak_slots = 0
         self.peak_live_bytes = 0
@@ -369,6 +374,10 @@ class Session:
         self._after_forward(boundary=False)
         return logits
 
+    def retire(self, seq: int) -> None:
+        """Sequence `seq` has its last token: later forwards and rounds no longer count as its own."""
+        self.live[seq] = False
+
     def begin_decode(self) -> None:
         self.phase = "decode"
         self._decode_start = self._now()
@@ -401,7 +410,8 @@ class Session:
         for seq, count in enumerate(real):
             self.n_valid[seq] += count
             self.next_pos[seq] += count
-            self.cache_sizes[seq].append(self.n_valid[seq])
+            if self.live[seq]:
+                self.cache_sizes[seq].append(self.n_valid[seq])
         if self.cache.slots > self.peak_slots:
             self.peak_slots = self.cache.slots
             self.peak_live_bytes = self.cache.nbytes(live=True)
@@ -492,7 +502,7 @@ class Session:
                         self.keep_log.add(store.layer_idx, store.positions, index, valid)
                     store.compact(index, valid)
         self.n_valid = list(plan.n_keep)
-        self.rounds = [r + int(t) for r, t in zip(self.rounds, plan.triggered)]
+        self.rounds = [r + int(t and live) for r, t, live in zip(self.rounds, plan.triggered, self.live)]
         self.memory.sample()
 
     def round_scores(self, span: tuple[int, int], candidate: torch.Tensor, keep: int) -> list[torch.Tensor]:

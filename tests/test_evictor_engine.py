@@ -701,6 +701,22 @@ def test_batched_eviction_keeps_per_sequence_budgets(tiny_llama):
         assert seq.rounds > 0
 
 
+def test_a_sequence_that_stops_early_counts_only_its_own_rounds_and_forwards(tiny_llama):
+    """The batch decodes until its longest member is done; the short one rides along, evicted to keep the batch's
+    tensors aligned, but its rounds and cache sizes are those of decoding it alone."""
+    prompt = ids_of(tiny_llama, TEXT)
+    config = EvictionConfig(budget=16, buffer=4, trigger="step", protect="sinks")
+    engine = EvictionEngine(tiny_llama, LocalRandom(), config)
+    # the same prompt twice; the second forces 30 tokens first, so it decodes 30 steps after the first stops
+    short, long = engine.generate([prompt, prompt], 6, forced=[[], list(range(40, 70))], ignore_eos=True).sequences
+    alone = engine.generate([prompt], 6, ignore_eos=True).sequences[0]
+    assert len(short.generated_ids) == 6 and len(long.generated_ids) == 36
+    assert short.rounds == alone.rounds > 0 and short.cache_sizes == alone.cache_sizes
+    blocks = -(-len(prompt) // config.block)
+    assert len(short.cache_sizes) == blocks + 5  # the prompt's blocks, then 5 steps: the 6th token is never fed
+    assert len(long.cache_sizes) == blocks + 35 and long.rounds > short.rounds + 20  # a step round every token
+
+
 # --- keep-logs, determinism, memory ----------------------------------------------------------------------------------
 def test_keep_log_reconstructs_the_cache_and_runs_are_seeded(tiny_llama):
     prompt = ids_of(tiny_llama)
