@@ -11,7 +11,9 @@ run directory's lock, identity check and resume (`core.rundir`) work unchanged.
 Faults: a worker that dies mid-unit (killed, out of memory, its machine gone) loses nothing; a new actor replaces it
 and the unit is run again, up to `BackendConfig.max_retries` times, then the run stops with one line. An exception
 raised by ``work`` is a bug or bad input, not a fault: it is raised in the driver at once, not retried. A driver that
-dies takes its workers with it; rerunning the command resumes from the run directory as after a serial crash.
+stops early (an error, Ctrl-C, SIGTERM) first saves the units that had finished ahead of an earlier one, out of unit
+order; a driver that dies takes its workers with it. Either way rerunning the command resumes from the run directory
+as after a serial crash.
 
 How a stage plugs in::
 
@@ -202,7 +204,9 @@ def run_units(
     progress: Callable[[U, R], None] | None = None,
     local_worker: W | None = None,
 ) -> None:
-    """Run ``work(worker, unit)`` for every unit and hand each result to ``on_result`` in unit order, in the driver.
+    """Run ``work(worker, unit)`` for every unit and hand each result to ``on_result`` in unit order, in the driver;
+    a run stopped early (an error, an interrupt) first hands over, in unit order, the results that had finished
+    ahead of a unit still running, so that nothing finished is lost.
 
     `progress` sees each result as it arrives, after the commits it allowed (with several workers a result that
     arrives early is shown before it is committed). The serial backend uses
@@ -291,6 +295,12 @@ def _run_on_ray(units, make_worker, work, config: BackendConfig, on_result, prog
                 committed += 1
             if progress is not None:
                 progress(units[index], result)
+    except BaseException:
+        # Stopped early (a unit's error, Ctrl-C, or SIGTERM, which Ray's driver turns into SystemExit): the units
+        # that finished while an earlier one still ran are saved too, out of unit order, so a resume skips them.
+        for index in sorted(finished):
+            on_result(units[index], finished.pop(index))
+        raise
     finally:
         for actor in actors:
             ray.kill(actor)  # type: ignore[arg-type]  # an actor handle, typed by ray as above

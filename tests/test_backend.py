@@ -122,6 +122,13 @@ def _last_first(marks: str, worker: int, unit: int) -> tuple[int, int]:
     return unit, worker
 
 
+def _first_never_ends(worker, unit: int) -> int:
+    """Unit 0 runs until its worker is killed; the others return at once."""
+    while unit == 0:
+        time.sleep(0.05)
+    return unit
+
+
 def _refuse(worker, unit: int) -> int:
     if unit == 2:
         raise UsageError(f"unit {unit} is bad input")
@@ -153,6 +160,22 @@ def test_results_are_committed_in_unit_order_and_each_worker_is_built_once(local
     assert arrived[-1] == 0 and sorted(arrived) == list(range(6))  # unit 0 finished last, yet was committed first
     builders = {pid for _, pid in committed}
     assert len(builders) == 2 and len(list(builds.iterdir())) == 2  # two workers, each built once
+
+
+def test_a_run_stopped_early_saves_the_units_that_finished_ahead_of_an_earlier_one(local_ray, tmp_path):
+    """SIGTERM reaches a Ray driver as SystemExit: units 1 and 2 have finished while unit 0 still runs, so none is
+    committed in unit order yet; stopping saves both (in unit order among themselves) and not the unfinished one."""
+    committed, arrived = [], []
+
+    def stop_after_two(unit, result):
+        arrived.append(unit)
+        if len(arrived) == 2:
+            raise SystemExit(15)
+
+    with pytest.raises(SystemExit):
+        run_units(list(range(5)), functools.partial(_record_build, str(tmp_path)), _first_never_ends, RAY,
+                  on_result=lambda unit, result: committed.append(result), progress=stop_after_two)
+    assert arrived == [1, 2] and committed == [1, 2]
 
 
 def test_a_worker_error_is_raised_in_the_driver_not_retried(local_ray, tmp_path):
