@@ -214,6 +214,9 @@ class Cell(Record):
     mean_generated: float | None = None
     median_tokens_per_s: float | None = None
     mean_rounds: float | None = None
+    # problems with at least one eviction round while they were generating (None: the cell never evicts); the rest
+    # decoded as dense, so a budget that bites few problems compares little
+    evicted: int | None = None
     mean_round_ms: float | None = None
     mean_round_share: float | None = None
     max_peak_slots: int | None = None  # the most cache slots any KV head held (the equal-cache comparison key)

@@ -63,6 +63,7 @@ def summarise_cell(cell: SweepCell, traces: Sequence[Trace], protocol: dict[str,
         ci_hi=hi,
         **counts,
         mean_rounds=mean("rounds"),
+        evicted=None if cell.budget is None else sum(1 for e in evictions if e.get("rounds")),
         mean_round_ms=mean("round_ms_mean"),
         mean_round_share=mean("round_share"),
         max_peak_slots=most("peak_slots"),
@@ -111,7 +112,7 @@ def format_table(cells: Sequence[Cell]) -> str:
 
     header = (
         f"{'cell':<28} {'n':>4} {'acc':>6} {'95% CI':>13} {'noans':>5} {'empty':>5} {'trunc':>5} {'tokens':>7} "
-        f"{'tok/s':>7} {'rounds':>7} {'ms/rnd':>7} {'share':>6} {'slots':>6} {'cacheMB':>8}"
+        f"{'tok/s':>7} {'rounds':>7} {'evict':>5} {'ms/rnd':>7} {'share':>6} {'slots':>6} {'cacheMB':>8}"
     )
     lines = [header, "-" * len(header)]
     for c in cells:
@@ -120,7 +121,7 @@ def format_table(cells: Sequence[Cell]) -> str:
         lines.append(
             f"{c.id[:28]:<28} {c.problems:>4} {c.accuracy:>6.1%} {interval:>13} {c.no_answer:>5} {c.empty_output:>5} "
             f"{c.truncated:>5} {fmt(c.mean_generated, '7.1f')} {fmt(c.median_tokens_per_s, '7.2f')} "
-            f"{fmt(c.mean_rounds, '7.1f')} {fmt(c.mean_round_ms, '7.2f')} {fmt(c.mean_round_share, '6.1%')} "
-            f"{fmt(c.max_peak_slots, '6d')} {fmt(cache_mb, '8.2f')}"
+            f"{fmt(c.mean_rounds, '7.1f')} {fmt(c.evicted, '5d')} {fmt(c.mean_round_ms, '7.2f')} "
+            f"{fmt(c.mean_round_share, '6.1%')} {fmt(c.max_peak_slots, '6d')} {fmt(cache_mb, '8.2f')}"
         )
     return "\n".join(lines)

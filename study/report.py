@@ -157,7 +157,7 @@ def comparison_rows(result) -> list[dict[str, Any]]:
 
 def accuracy_rows(result) -> list[dict[str, Any]]:
     keys = ("config", "policy", "budget", "problems", "correct", "accuracy", "ci_lo", "ci_hi", "no_answer",
-            "empty_output", "truncated", "mean_generated", "mean_rounds", "max_peak_slots", "sweep")
+            "empty_output", "truncated", "mean_generated", "mean_rounds", "evicted", "max_peak_slots", "sweep")
     return [{k: cell.get(k) for k in keys} for cell in result["evictor"]["cells"]]
 
 
@@ -378,12 +378,15 @@ def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
     lines = [f"Every configuration ran under the **{c.protocol}** protocol with `{flags}` for all policies"
              ", so a budget means the same cache for each (a fraction f: K = ceil(f × L) for each "
              "problem's dense trace length L; a whole number: K tokens), and a cell's peak cache is the most slots "
-             "any KV head held (`max_peak_slots`)."]
+             "any KV head held (`max_peak_slots`). `rounds` is the mean number of eviction rounds per problem while it "
+             "was generating, `evicted` the problems that had at least one (the others decoded as dense). Cells "
+             "stored before kvscope 539b8e7 show no `evicted`, and their `rounds` also counts rounds after a problem "
+             "had stopped."]
     rows = [[r["config"], budget_text(r["budget"]), r["problems"], pct(r["accuracy"]),
              f"[{pct(r['ci_lo'])}, {pct(r['ci_hi'])}]", r["no_answer"], fmt(r["mean_generated"], 1),
-             fmt(r["mean_rounds"], 1), fmt(r["max_peak_slots"])] for r in accuracy]
+             fmt(r["mean_rounds"], 1), fmt(r["evicted"]), fmt(r["max_peak_slots"])] for r in accuracy]
     lines += ["", table(["configuration", "budget", "n", "accuracy", "95% Wilson", "no answer", "tokens", "rounds",
-                         "peak slots"], rows), "", figure_md(figures, "accuracy_budget")]
+                         "evicted", "peak slots"], rows), "", figure_md(figures, "accuracy_budget")]
     return "\n".join(lines)
 
 

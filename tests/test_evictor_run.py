@@ -71,6 +71,7 @@ def test_single_cell_records_summary_keep_logs_and_resume(tiny_dir, data_file, t
     assert 0 <= cell.ci_lo <= cell.accuracy <= cell.ci_hi <= 1 and cell.ci_hi - cell.ci_lo > 0.3  # 3 problems: wide
     assert cell.max_peak_slots == max(r["eviction"]["peak_slots"] for r in records)
     assert cell.mean_rounds == pytest.approx(sum(r["eviction"]["rounds"] for r in records) / 3)
+    assert cell.evicted == sum(r["eviction"]["rounds"] > 0 for r in records) == 3
     printed = capsys.readouterr()
     assert "random-K48" in printed.out and "equals dense" not in printed.err
 
@@ -303,6 +304,7 @@ def test_run_sweep_is_the_library_behind_the_command_line(tiny_dir, data_file, t
     assert [c.id for c in cells] == ["full", "recency-K40", "recency-K48"]
     assert as_json(cells) == json.loads((out / "summary.json").read_text())
     assert cells[1].mean_rounds > 0 and cells[0].mean_rounds == 0
+    assert cells[0].evicted is None and cells[1].evicted == 2  # full never evicts; both problems outgrow K = 40
     before = {c.id: lines(out / c.id / "generations.jsonl") for c in cells}
     # the command line with the same settings is the same run: it resumes it, decoding nothing again
     assert run(tiny_dir, data_file, out, "--policy", "full,recency", "--budget", "40,48", "--protect", "sinks",
