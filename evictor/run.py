@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "policy's own, e.g. every query since entry for H2O)",
     )
     p.add_argument("--kernel", default=None, choices=KERNELS, help="attention kernel (default: sdpa, or FA2 on CUDA)")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="problems decoded together (left-padded)")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="problems decoded together (left-padded); with --reference, in order of their dense length, "
+                   "since a batch decodes until its longest problem stops")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="generation cap (default: 512)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="seeds random policies and sampling, per batch (default: 0)")

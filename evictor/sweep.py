@@ -393,6 +393,8 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
         batches = []
         for cell in cells:
             todo = [p for p in problems if p.id not in stores[cell.label]]
+            if reference is not None:  # a batch decodes until its longest row stops: batch problems of like length
+                todo.sort(key=lambda p: reference[p.id])
             for start in range(0, len(todo), config.batch_size):
                 chunk = todo[start : start + config.batch_size]
                 chunk_budgets = problem_budgets(cell, [p.id for p in chunk], reference, generation.max_new_tokens)

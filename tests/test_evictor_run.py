@@ -169,6 +169,23 @@ def test_fractional_budget_from_a_dense_reference_and_policy_config(tiny_dir, da
         assert record["eviction"]["attention_requests"] > 0
 
 
+def test_batches_group_problems_of_like_dense_length(tiny_dir, data_file, tmp_path):
+    """A batch decodes until its longest row stops, so with a reference the problems are batched shortest first."""
+    dense = tmp_path / "dense"
+    assert run(tiny_dir, data_file, dense, "--policy", "full") == 0
+    records = lines(dense / "generations.jsonl")
+    for record, length in zip(records, (12, 4, 8)):  # distinct dense lengths, not in problem order
+        record["generated_ids"] = (record["generated_ids"] * 12)[:length]
+    (dense / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "sorted"
+    assert run(tiny_dir, data_file, out, "--policy", "random", "--budget", "1", "--reference", str(dense),
+               "--protect", "sinks", "--on-long-prompt", "sinks", "--batch-size", "2") == 0
+    by_length = [records[1]["id"], records[2]["id"], records[0]["id"]]
+    stored = lines(out / "generations.jsonl")
+    assert [r["id"] for r in stored] == by_length
+    assert [r["batch"]["ids"] for r in stored] == [by_length[:2], by_length[:2], by_length[2:]]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
