@@ -180,7 +180,6 @@ class EvictionEngine:
                 logits = session.prefill()
             generated: list[list[int]] = [[] for _ in prompts]
             stopped = [False] * len(prompts)  # at a stop token
-            finished = [False] * len(prompts)  # stopped, or max_new_tokens generated after the forced prefix
             session.begin_decode()
             for start in range(0, shared, forced_block):
                 block = [prefix[start : min(start + forced_block, shared)] for prefix in forced]
@@ -194,14 +193,13 @@ class EvictionEngine:
                     if index < len(prefix):
                         tokens[seq] = prefix[index]
                 for seq, token in enumerate(tokens.tolist()):
-                    if not finished[seq]:
+                    if session.live[seq]:
                         generated[seq].append(token)
                         free = len(generated[seq]) - len(forced[seq])
                         stopped[seq] = free > 0 and token in eos
-                        finished[seq] = stopped[seq] or free >= max_new_tokens
-                        if finished[seq]:
+                        if stopped[seq] or free >= max_new_tokens:  # max_new_tokens counts after the forced prefix
                             session.retire(seq)
-                if all(finished) or index == steps - 1:
+                if not any(session.live) or index == steps - 1:
                     break
                 with require_flash(self.model, "the eviction engine's decode", when=index == shared):
                     logits = session.step(tokens)
