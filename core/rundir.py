@@ -10,6 +10,8 @@ Every stage that writes results (`tasks.run`, `evictor.run`, `labeling.occlusion
 3. **Identity.** The settings that change what a record contains (the stage's *identity*) are stored in the config
    file; a rerun with different settings is refused naming each differing setting with both values, so records
    made differently never mix. The same settings resume: `store` reopens the JSONL files and skips finished work.
+   Paths compare in their portable spelling (`core.paths`), so a committed run, its paths spelled that way, resumes
+   in any checkout.
 
 On exit the lock is released; a directory this run created and left empty is removed, and a run that fails before
 it stores its first record (bad input discovered after the claim: an unloadable model, a damaged file to resume)
@@ -34,6 +36,7 @@ from typing import Any
 
 from core.cli import atomic_write, write_json
 from core.errors import UsageError
+from core.paths import portable, roots
 from core.records import JsonlStore
 
 LOCK_NAME = ".kvscope.lock"
@@ -44,9 +47,13 @@ def _canonical(value: Any) -> str:
 
 
 def identity_differences(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``["max_new_tokens 256 (now 512)", ...]`` for every setting of `current` whose stored value differs."""
+    """``["max_new_tokens 256 (now 512)", ...]`` for every setting of `current` whose stored value differs. Paths
+    compare in their portable spelling (`core.paths`): a run whose config spells its paths that way (a committed
+    run) resumes in any checkout."""
+    spellings = roots()
     return [f"{key} {_canonical(previous.get(key))} (now {_canonical(value)})"
-            for key, value in current.items() if _canonical(previous.get(key)) != _canonical(value)]
+            for key, value in current.items()
+            if _canonical(portable(previous.get(key), spellings)) != _canonical(portable(value, spellings))]
 
 
 def check_identity(config_path: Path, identity: Mapping[str, Any], what: str) -> None:

@@ -3,11 +3,12 @@
     result = run_study(StudyConfig(dataset="gsm8k", budgets=study_budgets("0.5"), limit=4, ...), "runs/study")
 
 A stage's directory is ``stages/<stage>-<key>/``; its ``stage.json`` (written when the stage finishes) holds the key,
-the settings and inputs it was computed from, its wall time and its outputs. A rerun of the same command finds every
-``stage.json`` and reuses the stage; a stage interrupted before its ``stage.json`` resumes from its own records (each
-wrapped library resumes); changing one stage's settings gives that stage, and every stage whose inputs it feeds, a
-new key and so a new directory, while the stages before it are reused. Directories of other keys stay, so going back
-to earlier settings reuses them too.
+the settings and inputs it was computed from, its wall time and its outputs. Settings name files by their portable
+spelling (`core.paths`: ``runs/...``, ``$KVSCOPE_DATA_DIR/...``), so committed stages keep their keys in any
+checkout. A rerun of the same command finds every ``stage.json`` and reuses the stage; a stage interrupted before its
+``stage.json`` resumes from its own records (each wrapped library resumes); changing one stage's settings gives that
+stage, and every stage whose inputs it feeds, a new key and so a new directory, while the stages before it are
+reused. Directories of other keys stay, so going back to earlier settings reuses them too.
 
 Progress: before each stage one line names it and estimates its time and the time left, from the decode rate the
 dense traces imply for kvscope's decoding (`estimate_seconds`); the wrapped stages draw their own progress bars.
@@ -27,6 +28,7 @@ from typing import Any
 
 from core.backend import BackendConfig, connected
 from core.cli import write_json
+from core.paths import portable
 from core.rundir import RunDir, source_revision
 from labeling.estimates import estimate_seconds as labelling_seconds
 from labeling.estimates import format_duration
@@ -80,7 +82,8 @@ class StudyResult:
 
 
 def stage_key(name: str, settings: dict[str, Any], inputs: dict[str, str]) -> str:
-    """12 hex digits of the SHA-256 of the stage's name, settings and input keys (canonical JSON)."""
+    """12 hex digits of the SHA-256 of the stage's name, settings and input keys (canonical JSON). `Study` passes
+    the settings with their paths portable (`core.paths`), so a key names the same stage in every checkout."""
     text = json.dumps({"stage": name, "settings": settings, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -174,6 +177,7 @@ class Study:
         self.records: dict[str, StageRecord] = {}
 
     def run(self, name: str, settings: dict[str, Any], compute, *, off: str | None = None) -> StageRecord:
+        settings = portable(settings)  # the key of a stage made in another checkout is this one's
         keys = {n: self.records[n].key for n in INPUTS[name]}
         inputs = {n: key for n, key in keys.items() if key is not None}
         if off is not None:
@@ -210,7 +214,8 @@ class Study:
     @functools.cached_property
     def decode_rate(self) -> float | None:
         """kvscope's single-sequence tokens/s that the dense traces imply; read once, after the traces stage."""
-        return stages.kvscope_decode_rate(stages.read_traces(self.paths.abs(self.records["traces"].outputs["traces"])))
+        traces = stages.traces_file(self.config, self.records["traces"].outputs, self.paths)
+        return stages.kvscope_decode_rate(stages.read_traces(traces))
 
     def eta(self, name: str) -> str:
         traces = self.records.get("traces")

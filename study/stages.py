@@ -25,6 +25,7 @@ import numpy as np
 
 from core.backend import BackendConfig
 from core.errors import UsageError
+from core.paths import portable_path
 from core.schemas import Label, Trace, read_records
 from study.config import (
     AGREEMENT_REPLACEMENTS,
@@ -86,7 +87,7 @@ def check_reused_traces(config: StudyConfig, problems) -> list[Trace]:
     assert config.traces is not None  # called for a study that reuses --traces
     traces = {trace.id: trace for trace in read_dense_traces(config.traces)}
     models = sorted({str(t.model) for t in traces.values()})
-    if models != [config.model]:
+    if {portable_path(m) for m in models} != {portable_path(config.model)}:
         raise UsageError(f"--traces {config.traces!r} holds traces of {', '.join(models)}, not of --model "
                          f"{config.model!r}")
     missing = [p.id for p in problems if p.id not in traces]
@@ -111,6 +112,12 @@ def traces_stage(config: StudyConfig, problems, path: Path, paths: Paths, backen
             "reused_file": config.traces is not None}
 
 
+def traces_file(config: StudyConfig, traces: Outputs, paths: Paths) -> Path:
+    """The dense traces' file: --traces when the study reuses one (the traces stage's key holds its SHA-256, so this
+    is the file the stage recorded, wherever the checkout now keeps it), else the traces stage's own file."""
+    return Path(config.traces).resolve() if config.traces is not None else paths.abs(traces["traces"])
+
+
 def check_budgets_fit(config: StudyConfig, problems, traces: Outputs, paths: Paths) -> None:
     """Refuse, right after the traces, a budget that some problem's protected prompt (and recency window) does not
     fit under the study's protocol (`evictor.sweep.check_budgets_fit`), on the problems the evictor stage may run
@@ -118,7 +125,7 @@ def check_budgets_fit(config: StudyConfig, problems, traces: Outputs, paths: Pat
     refuse it only after labelling, signals and selection."""
     from evictor.sweep import check_budgets_fit as sweep_fits
 
-    file = paths.abs(traces["traces"])
+    file = traces_file(config, traces, paths)
     ids = {problem.id for problem in problems}
     records = [t for t in read_traces(file) if t.id in ids
                and (config.evict_problems == "all" or config.include_incorrect or t.correct)]
@@ -177,7 +184,7 @@ def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths,
     from labeling.labeler import select_traces
 
     occlusion = config.occlusion()
-    trace_file = paths.abs(traces["traces"])
+    trace_file = traces_file(config, traces, paths)
     eligible = select_traces(read_traces(trace_file), occlusion)
     if not eligible:
         return {"labels": None, "labelled": 0, "skipped": 0, "eligible": 0,
@@ -228,7 +235,7 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
     main = labels["replacement"]
     sets = {main["chosen"]: [label for label in read_records(paths.abs(labels["labels"]), Label) if label.id in ids]}
     subset = path / "traces.jsonl"
-    by_id = {trace.id: trace for trace in read_traces(paths.abs(traces["traces"]))}
+    by_id = {trace.id: trace for trace in read_traces(traces_file(config, traces, paths))}
     path.mkdir(parents=True, exist_ok=True)
     subset.write_text("".join(json.dumps(by_id[i].to_json()) + "\n" for i in ids))
     files, unavailable, tokens = {main["chosen"]: labels["labels"]}, {}, {main["chosen"]: main.get("token_id")}
@@ -276,7 +283,7 @@ def signals_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path: P
     from signals.traces import SignalsConfig, claim_output, trace_signals
 
     ids = set(labels["labelled_ids"])
-    todo_traces = [t for t in read_traces(paths.abs(traces["traces"])) if t.id in ids]
+    todo_traces = [t for t in read_traces(traces_file(config, traces, paths)) if t.id in ids]
     if not todo_traces:
         return {"files": [], "reason": "no labelled trace"}
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
@@ -442,7 +449,7 @@ def known_stage(config: StudyConfig, traces: Outputs, labels: Outputs, signals: 
 
     if labels.get("labels") is None:
         return {"reason": labels.get("reason") or "no labels"}
-    spans = {t.id: fact_spans(t) for t in read_traces(paths.abs(traces["traces"]))}
+    spans = {t.id: fact_spans(t) for t in read_traces(traces_file(config, traces, paths))}
     scores = label_scores(read_records(paths.abs(labels["labels"]), Label), spans, config.level)
     out: Outputs = {"labels": scores.to_json(), "auc": []}
     replay = next((f for f in signals.get("files", []) if f.endswith(REPLAY_FILE)), None)
@@ -510,7 +517,7 @@ def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selecti
     (all problems when none was labelled, so the baselines still run)."""
     from evictor.sweep import run_sweep
 
-    reference = paths.abs(traces["traces"])
+    reference = traces_file(config, traces, paths)
     labelled = tuple(labels.get("labelled_ids") or ())
     problem_ids = labelled if config.evict_problems == "labelled" and labelled else None
     cells, plan = [], {}

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UsageError, unknown_choice
+from core.paths import DATA_DIR_ENV
 from core.records import read_jsonl
 from tasks import grading, known_answer, ruler
 from tasks.problem import Problem
-
-DATA_DIR_ENV = "KVSCOPE_DATA_DIR"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""core: run directories (lock, identity, path checks), resumable JSONL, record schemas, seeds, CLI argument types."""
+"""core: run directories (lock, identity, path checks), portable paths, resumable JSONL, record schemas, seeds, CLI
+argument types."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import sys
 
 import pytest
 
+import core.paths
 from core.cli import device, positive_int, unit_interval
 from core.errors import UsageError
+from core.paths import portable, portable_path, roots
 from core.records import JsonlStore
 from core.rundir import RunDir
 from core.schemas import Label, Signal, Trace, read_records
@@ -34,6 +37,61 @@ def test_rundir_names_every_differing_setting(tmp_path):
     with pytest.raises(UsageError, match=r"max_new_tokens 256 \(now 512\)") as err:
         RunDir(tmp_path, {"model": "m", "max_new_tokens": 512, "seed": 0}).claim()
     assert "seed" not in str(err.value) and "\n" not in str(err.value)
+
+
+SPELLINGS = [("/home/ada/kvscope", ""), ("/home/ada/data", "$KVSCOPE_DATA_DIR"), ("/home/ada", "~")]
+
+
+@pytest.mark.parametrize("path, spelled", [
+    ("/home/ada/kvscope/runs/t.jsonl", "runs/t.jsonl"),  # the checkout: relative, as results/ writes them
+    ("/home/ada/kvscope", "."),
+    ("/home/ada/data/math500.jsonl", "$KVSCOPE_DATA_DIR/math500.jsonl"),  # under home, spelled from the data dir
+    ("/home/ada/.cache/kvscope/gguf/m.gguf", "~/.cache/kvscope/gguf/m.gguf"),
+    ("/home/adam/notes.txt", "/home/adam/notes.txt"),  # a name that starts like a root is not under it
+    ("/mnt/home/ada/x", "/mnt/home/ada/x"),  # nor is a path that holds a root further down
+    ("--out /home/ada/kvscope/runs/s --data-file=/home/ada/data/m.jsonl",  # a command line: each path in it
+     "--out runs/s --data-file=$KVSCOPE_DATA_DIR/m.jsonl"),
+    ("/srv/traces.jsonl", "/srv/traces.jsonl"),  # outside every root: absolute
+    ("runs/t.jsonl", "runs/t.jsonl"),  # already portable: unchanged, so the spelling is idempotent
+    ("hub:HuggingFaceH4/MATH-500", "hub:HuggingFaceH4/MATH-500"),
+])
+def test_a_path_is_spelled_from_the_most_specific_root_it_lies_under(path, spelled):
+    assert portable_path(path, SPELLINGS) == spelled
+    assert portable_path(spelled, SPELLINGS) == spelled
+
+
+def test_portable_spells_every_string_of_nested_settings_and_keeps_the_rest():
+    settings = {"file": "/home/ada/kvscope/runs/t.jsonl", "n": 3, "ok": True, "none": None,
+                "generation": {"data_source": "/home/ada/data/m.jsonl", "ids": ("p1", "/home/ada/x")}}
+    assert portable(settings, SPELLINGS) == {"file": "runs/t.jsonl", "n": 3, "ok": True, "none": None,
+                                             "generation": {"data_source": "$KVSCOPE_DATA_DIR/m.jsonl",
+                                                            "ids": ["p1", "~/x"]}}
+
+
+def test_the_roots_are_this_checkout_the_data_directory_and_home_longest_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", str(tmp_path / "data"))
+    assert roots() == sorted([(str(core.paths.REPOSITORY), ""), (str(tmp_path / "data"), "$KVSCOPE_DATA_DIR"),
+                              (str(tmp_path), "~")], key=lambda root: len(root[0]), reverse=True)
+    assert portable_path(str(core.paths.REPOSITORY / "runs" / "t.jsonl")) == "runs/t.jsonl"
+    monkeypatch.delenv("KVSCOPE_DATA_DIR")
+    assert portable_path(str(tmp_path / "data" / "m.jsonl")) == "~/data/m.jsonl"
+
+
+def test_a_run_stored_with_portable_paths_resumes_in_this_checkout_and_another_file_is_still_refused(
+        tmp_path, monkeypatch):
+    """A committed run's config spells its paths portably; here the same files have absolute paths."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVSCOPE_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"identity": {
+        "reference": "runs/t.jsonl", "data_source": "$KVSCOPE_DATA_DIR/m.jsonl", "source": "~/.cache/m.gguf"}}))
+    here = {"reference": str(core.paths.REPOSITORY / "runs" / "t.jsonl"), "data_source": str(tmp_path / "data/m.jsonl"),
+            "source": str(tmp_path / "home/.cache/m.gguf")}
+    RunDir(out, here).claim().release()
+    with pytest.raises(UsageError, match=r"reference \"runs/t.jsonl\" \(now \".*/runs/u.jsonl\"\)"):
+        RunDir(out, {**here, "reference": str(core.paths.REPOSITORY / "runs" / "u.jsonl")}).claim()
 
 
 def test_second_writer_is_refused_at_once_naming_the_first(tmp_path):

@@ -21,6 +21,7 @@ import pytest
 from conftest import write_arithmetic_problems  # tests/ is on sys.path under pytest
 from scipy.stats import spearmanr
 
+import core.paths
 import tasks.grading
 from core.errors import UsageError
 from core.rundir import RunDir
@@ -270,6 +271,40 @@ def test_resume_reuses_every_stage_and_a_labelling_change_recomputes_from_labels
     added = stage_dirs(out) - before
     assert {name.split("-")[0] for name in added} == set(STAGES[1:])
     assert len(list(out.glob("stages/labels-*/labels.jsonl"))) == 2  # the first settings' labels are kept
+
+
+@pytest.mark.parametrize("reuse_traces", [False, True])
+def test_a_study_committed_from_another_checkout_resumes_under_the_same_keys(study, tiny_dir, data_file, tmp_path,
+                                                                             monkeypatch, reuse_traces):
+    """A study made in one checkout and committed there (its paths spelled relative to that checkout, its evictor
+    stage interrupted) is reused and resumed in another checkout, where the model, the data file, the --traces file
+    and the study lie at other absolute paths: the stage keys and the run identities compare paths portably
+    (core.paths), and reused traces are read from --traces."""
+    made_in, elsewhere = tmp_path / "made-in", tmp_path / "elsewhere"
+    shutil.copytree(tiny_dir, made_in / "model")
+    (made_in / "data").mkdir()
+    shutil.copy(data_file, made_in / "data" / "problems.jsonl")
+    if reuse_traces:  # the module study's dense traces, naming their model as it lies in either checkout
+        traces = next(study.glob("stages/traces-*/generations.jsonl")).read_text()
+        (made_in / "traces.jsonl").write_text(traces.replace(json.dumps(str(tiny_dir)), json.dumps("model")))
+
+    def study_in(checkout):
+        monkeypatch.setattr(core.paths, "REPOSITORY", checkout)
+        extra = ("--traces", str(checkout / "traces.jsonl")) if reuse_traces else ()
+        assert run_study(checkout / "model", str(checkout / "data" / "problems.jsonl"), checkout / "runs/study",
+                         *extra) == 0
+        return checkout / "runs/study"
+
+    out = study_in(made_in)
+    keys = stage_dirs(out)
+    (out / "stages" / next(name for name in keys if name.startswith("evictor-")) / "stage.json").unlink()
+    for path in out.rglob("*.json*"):  # what committing does: paths under the checkout spelled relative to it
+        path.write_text(path.read_text().replace(f"{made_in}/", ""))
+    shutil.copytree(made_in, elsewhere)
+    out = study_in(elsewhere)
+    statuses = stage_statuses((out / "report.md").read_text())
+    assert statuses == {**{name: "reused" for name in STAGES}, "evictor": "resumed"}
+    assert stage_dirs(out) == keys
 
 
 def test_uniform_labels_make_the_selection_inconclusive_and_the_baselines_still_run(tiny_dir, data_file, tmp_path):
