@@ -230,6 +230,23 @@ def _field_key(name: str, record: dict[str, Any]) -> str:
     return str(value)
 
 
+def lock_holder(lock_path: Path) -> str | None:
+    """Who holds the lock file `lock_path` (`_read_holder`'s words), or None when no live run holds it."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _read_holder(fd: int) -> str:
     try:
         holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")

@@ -148,6 +148,8 @@ NAMED_VALUES = {
     "value": ["bogus"], "low": ["bogus"], "high": ["bogus"], "group": ["bogus"], "dense": ["bogus"],
     "band_signal": ["bogus"], "raw": ["bogus"], "z": ["bogus"], "band_order": ["R,R,E", "X,Y,Z"],
     "stem": ["../escape", "a/b"],
+    "source": ["file:missing", "file:binary"],
+    "gzip": ["a/b.jsonl"],
     "address": ["127.0.0.1:1"],
     "workers": ["100000"],
     # token counts beyond the tiny model's context (4096 positions)
@@ -310,6 +312,7 @@ BASES = {
     "evictor.calibrate triattention": ["--traces", "{traces}", "--out", "OUT/calibration.json"],
     "evictor.calibrate thinkv": ["--traces", "{traces}", "--out", "OUT/calibration.json", "--tau", "8"],
     "evictor.policies": ["--name", "random"],
+    "core.pack": ["--source", "{dense}", "--out", "OUT"],
     "study": ["--model", "{tiny}", "--dataset", "gsm8k", "--data-file", "{arithmetic}", "--max-new-tokens", "8",
               "--budget", "0.5", "--window", "8", "--stride", "4", "--max-answer-tokens", "4", "--no-force-answer",
               "--scorers", "random,h2o", "--n-boot", "50", "--compare-n-boot", "50", "--quiet", "--out", "OUT"],
@@ -321,10 +324,12 @@ BASES = {
 # What an --out can be that is wrong: for a directory output, and for a file output (OUT/<name>).
 DIRECTORY_OUTS = ["out:file", "out:below_file", "out:unwritable", "out:other_run", "out:in_use"]
 FILE_OUTS = ["out:dir", "out:below_file", "out:unwritable", "out:other_run", "out:in_use"]
-# Outputs another run's may share: a figure directory holds many figures (figures keep no identity), and a
-# calibration file is one file written atomically, replacing what was there, with no lock to share.
+# Outputs another run's may share: a figure directory holds many figures (figures keep no identity), a
+# calibration file is one file written atomically, replacing what was there, with no lock to share, and a committed
+# folder (core.pack) is brought up to date, keeping what the source lacks.
 SHARED_OUTS = {**{cli: {"out:other_run"} for cli in BASES if cli.startswith("figures.")},
                "evictor.calibrate triattention": {"out:other_run", "out:in_use"},
+               "core.pack": {"out:other_run", "out:in_use"},
                "evictor.calibrate thinkv": {"out:other_run", "out:in_use"}}
 
 
