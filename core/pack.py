@@ -6,10 +6,11 @@
 Committing copies every file of the run directory but hidden ones (the run's lock, an unfinished atomic write),
 spells each absolute path in its text files portably (`core.paths`: relative to the checkout, ``$KVSCOPE_DATA_DIR``,
 ``~``; the only bytes changed) and gzips the raw per-problem and per-token records (``generations.jsonl``,
-``replay.jsonl``, ``signals-*.jsonl``) deterministically (no name, no time stamp), so committing an unchanged file
-again gives the same bytes. A run still running in the source (a held lock) is refused: its last record may be half
-written. Restoring copies a committed folder back and unpacks what was gzipped. Nothing needs editing after it:
-stage keys and run identities compare paths in the portable spelling, so the study or tool resumes there.
+``replay.jsonl``, ``signals-*.jsonl``) deterministically (no name, no time stamp); a file --out already holds with
+the same content (gzipped by any tool) is left as it is, so committing again changes only what changed. A run still
+running in the source (a held lock) is refused: its last record may be half written. Restoring copies a committed
+folder back and unpacks what was gzipped. Nothing needs editing after it: stage keys and run identities compare
+paths in the portable spelling, so the study or tool resumes there.
 
 An existing --out is brought up to date: files are replaced, a file's other form (``x.jsonl`` beside a new
 ``x.jsonl.gz``) is removed, and files the source does not have are kept.
@@ -47,10 +48,23 @@ def _replace(target: Path, other_form: Path, data: bytes) -> None:
     other_form.unlink(missing_ok=True)
 
 
-def commit(source: Path, out: Path, gzipped: tuple[str, ...] = GZIPPED) -> tuple[int, int]:
-    """Copy run directory `source` to `out` as the module docstring says; (files written, of them gzipped)."""
+def _holds(target: Path, data: bytes, packed: bool) -> bool:
+    """Whether `target` already holds `data` (unpacked first when `packed`): a file gzipped by another tool, or by an
+    earlier commit, with the same content is left as it is, so an unchanged record makes no change to commit."""
+    if not target.is_file():
+        return False
+    held = target.read_bytes()
+    try:
+        return (gzip.decompress(held) if packed else held) == data
+    except (gzip.BadGzipFile, EOFError):
+        return False
+
+
+def commit(source: Path, out: Path, gzipped: tuple[str, ...] = GZIPPED) -> tuple[int, int, int]:
+    """Copy run directory `source` to `out` as the module docstring says; (files written, of them gzipped, files
+    left as they were because they already held the same content)."""
     spellings = roots()
-    written = packed = 0
+    written = packed = unchanged = 0
     for relative in _files(source):
         data = (source / relative).read_bytes()
         if relative.suffix in TEXT_SUFFIXES:
@@ -58,13 +72,17 @@ def commit(source: Path, out: Path, gzipped: tuple[str, ...] = GZIPPED) -> tuple
             data = portable_path(text, spellings).encode(errors="surrogateescape")
         target = out / relative
         other = target.with_name(target.name + ".gz")
-        if any(fnmatch.fnmatch(relative.name, pattern) for pattern in gzipped):
-            data = gzip.compress(data, mtime=0)  # gzip.compress stores no file name: the bytes depend on data only
+        pack = any(fnmatch.fnmatch(relative.name, pattern) for pattern in gzipped)
+        if pack:
             target, other = other, target
-            packed += 1
-        _replace(target, other, data)
+        if _holds(target, data, pack):
+            other.unlink(missing_ok=True)
+            unchanged += 1
+            continue
+        _replace(target, other, gzip.compress(data, mtime=0) if pack else data)  # no name, no time: same bytes
         written += 1
-    return written, packed
+        packed += pack
+    return written, packed, unchanged
 
 
 def restore(source: Path, out: Path) -> tuple[int, int]:
@@ -135,8 +153,9 @@ def _run(argv: list[str] | None) -> int:
             written, unpacked = restore(source, out)
             print(f"restored {written} files ({unpacked} unpacked) from {source} to {out}")
         else:
-            written, packed = commit(source, out, tuple(args.gzip or GZIPPED))
-            print(f"committed {written} files ({packed} gzipped) from {source} to {out}, paths spelled portably")
+            written, packed, unchanged = commit(source, out, tuple(args.gzip or GZIPPED))
+            print(f"committed {written} files ({packed} gzipped) from {source} to {out}, paths spelled portably; "
+                  f"{unchanged} already there unchanged")
     except OSError as err:
         raise UsageError(f"--out {str(out)!r}: cannot write there ({err.strerror or err})") from None
     return 0

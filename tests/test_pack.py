@@ -48,8 +48,16 @@ def test_a_commit_spells_paths_portably_gzips_the_records_and_leaves_hidden_file
     assert not (committed / "generations.jsonl").exists() and not (committed / ".kvscope.lock").exists()
     packed = (committed / "generations.jsonl.gz").read_bytes()
     assert gzip.decompress(packed) == (run / "generations.jsonl").read_bytes()
-    assert main(["--source", str(run), "--out", str(committed)]) == 0  # committing again gives the same bytes
+    assert main(["--source", str(run), "--out", str(committed)]) == 0  # committing again changes nothing
+    assert "committed 0 files (0 gzipped)" in capsys.readouterr().out
     assert (committed / "generations.jsonl.gz").read_bytes() == packed
+    (committed / "generations.jsonl.gz").unlink()
+    assert main(["--source", str(run), "--out", str(committed)]) == 0
+    assert (committed / "generations.jsonl.gz").read_bytes() == packed  # the same bytes from the same content
+    other_gzip = gzip.compress(gzip.decompress(packed), compresslevel=1, mtime=123)  # as another tool packed it
+    (committed / "generations.jsonl.gz").write_bytes(other_gzip)
+    assert main(["--source", str(run), "--out", str(committed)]) == 0
+    assert (committed / "generations.jsonl.gz").read_bytes() == other_gzip  # the same content: left as it is
 
 
 def test_a_restored_run_resumes_with_the_absolute_identity_it_was_made_with(checkout, tmp_path, capsys):
