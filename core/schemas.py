@@ -151,6 +151,15 @@ class Label(Record):
     forced_cue: dict[str, Any] | None = None  # forced-answer labelling: the cue appended to every context
     no_answer_rule: str | None = None  # how no-answer windows label positions (None: records made before the rule)
     outcome_counts: dict[str, int] | None = None  # windows per outcome: same, different, no_answer, degenerate
+    reference_matches_gold: bool | None = None  # the reference answer equals the gold one (None: no gold answer)
+    # graded labels (`labeling.answer`): the reference answer's tokens and its score after the unoccluded context;
+    # each window then carries its own score and its effect (None: not graded)
+    graded: dict[str, Any] | None = None
+    # which intervention made the labels: "token" occlusion (None in records made before there were others),
+    # "cache" (a window's keys and values removed) or "joint" (random keep-sets at a budget, `labeling.joint`)
+    intervention: str | None = None
+    # joint labels: the budget, units and draws, the datamodel's fit and every draw (kept units per head, its score)
+    joint: dict[str, Any] | None = None
 
     @property
     def labelled(self) -> bool:

@@ -55,3 +55,29 @@ def no_answer_share(rows: list[dict]) -> float | None:
     total = rows[-1]
     changed = total["windows"] - total[SAME]
     return (changed - total[DIFFERENT]) / changed if changed else None
+
+
+def effect_breakdown(labels: Iterable[Label]) -> list[dict]:
+    """Where a label set's important windows lie, for any label kind: one row per place (`PLACES`) and a total, each
+    with its windows, the important ones (``flipped``: the answer changed, or for joint labels a unit whose interval
+    lies above zero), their share of all important windows, and the mean graded effect of the windows there (None
+    where no window carries one). Is there ground truth before the last fifth?"""
+    windows = dict.fromkeys((*PLACES, "all"), 0)
+    important = dict.fromkeys((*PLACES, "all"), 0)
+    effects: dict[str, list[float]] = {place: [] for place in (*PLACES, "all")}
+    for label in labels:
+        if not label.labelled:
+            continue
+        assert label.reasoning_start is not None and label.answer_start is not None  # a labelled record has both
+        for window in label.windows or []:
+            place = window_place(window["start"], window["end"], label.reasoning_start, label.answer_start)
+            for where in (place, "all"):
+                windows[where] += 1
+                important[where] += bool(window.get("flipped"))
+                if window.get("effect") is not None:
+                    effects[where].append(float(window["effect"]))
+    total = important["all"]
+    return [{"where": place, "windows": windows[place], "important": important[place],
+             "share": important[place] / total if total else None,
+             "mean_effect": sum(effects[place]) / len(effects[place]) if effects[place] else None}
+            for place in windows]

@@ -33,7 +33,7 @@ def estimate_seconds(problems: int, max_new_tokens: int, config: OcclusionConfig
     """(generation upper bound, labelling order of magnitude) in seconds for `problems` traces generated first."""
     windows = len(occlusion_windows(0, max(0, max_new_tokens - config.tail), config.window, config.stride))
     generation = problems * max_new_tokens / tokens_per_s
-    labelling = problems * (windows + 1) * min(config.max_answer_tokens, config.tail) / tokens_per_s if windows else 0
+    labelling = problems * (windows + 1) * min(config.answer_cap, config.tail) / tokens_per_s if windows else 0
     return generation, labelling
 
 

@@ -66,7 +66,7 @@ class OcclusionJob:
 
     config: OcclusionConfig = field(default_factory=OcclusionConfig)
     traces: str | None = None  # a JSONL of dense traces (tasks.run, evictor.run --policy full); None: generate
-    dataset: str | None = None  # the answer rules; with `traces`, default: the traces' dataset
+    dataset: str | None = None  # the answer rules; with `traces`, default: the traces' dataset (if they share one)
     model: str | None = None  # default: the traces' model, else models.registry.DEFAULT_MODEL
     data_file: str | None = None  # the problems to generate for (see tasks.run)
     limit: int | None = None  # the first N problems (generation) or trace records (`traces`)
@@ -205,10 +205,9 @@ def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
             named = sorted(d for d in datasets if d is not None)
             raise UsageError(f"--dataset {job.dataset!r} but the traces are of {named}; leave --dataset out to label "
                              "them as what they are")
+        # A trace states its own reference answer, so any trace labels: a dataset kvscope knows only adds its answer
+        # rule (GSM8K's reduction to one number); traces of several or unknown datasets are read by the shared rules.
         dataset = job.dataset or (datasets.pop() if len(datasets) == 1 else None)
-        if dataset is None:
-            raise UsageError(f"cannot tell the traces' dataset (found {sorted(map(str, datasets))}); pass --dataset")
-        check_dataset(dataset)
         models = {t.model for t in traces}
         model_name = job.model or (models.pop() if len(models) == 1 else None)
         if model_name is None:
@@ -228,7 +227,7 @@ def _plan(job: OcclusionJob, out: str | os.PathLike | None) -> _Plan:
             eligible = shard_traces(eligible, shard)
     model_limits(model_name).check_flags({"--window": config.window, "--max-answer-tokens": config.max_answer_tokens,
                                           "--max-new-tokens": job.max_new_tokens})
-    out = Path(out) if out is not None else Path("runs") / f"labels-{dataset}-{Path(model_name).name}"
+    out = Path(out) if out is not None else Path("runs") / f"labels-{dataset or 'traces'}-{Path(model_name).name}"
     # Labels are per trace: which traces (--limit, --shard), how they are grouped and where they run are not part
     # of the identity.
     identity = {"model": model_name, "dataset": dataset,

@@ -31,11 +31,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from core.cli import DTYPES
 from core.errors import UsageError, unknown_choice
 from core.schemas import Label, Trace
+from labeling.answer import AnswerScore, answer_end, forced_answer_text, score_answer, teacher_forced_scores
 from labeling.replacement import Replacement, check_spec, resolve_replacement
 from labeling.windows import (
     DEFAULT_TAIL,
@@ -49,44 +50,79 @@ from labeling.windows import (
     Cue,
     find_answer_boundary,
     find_answer_cue,
+    generic_cue,
     occlude,
     occlusion_windows,
     rule_labels,
 )
 
 METHODS = ("fast", "naive")
+# What a label's counterfactual does to a window (docs/labels.md): replace its text and recompute what follows
+# (token occlusion, EpiKV App. 8), remove its keys and values from a cache prefilled with it (cache), or evict random
+# keep-sets of the whole trace at a budget and fit each unit's share of the answer (joint, `labeling.joint`).
+INTERVENTIONS = ("token", "cache", "joint")
+HEADS = ("all", "each")  # cache labels: a window leaves every KV head at once, or each KV head on its own
+DRAWS = ("shared", "per-head")  # joint labels: one keep-set for every KV head, or one per KV head (Random Attention)
 # Windows after which the model states no answer measure how it reacts to filler, not what the window said, so by
 # default they are not evidence either way (docs/labels.md).
 DEFAULT_NO_ANSWER = "exclude"
+# With a forced answer the answer follows the cue at once, so a short regeneration reads it; without one the model
+# may reason again before answering.
+FORCED_ANSWER_TOKENS = 64
+FREE_ANSWER_TOKENS = 512
 # The regenerated tokens kept in each window's record, and how many of the first ones decide "degenerate".
 KEPT_TOKENS = 16
 DEGENERATE_TOKENS = 8
 Progress = Callable[[int], None] | None
 
+if TYPE_CHECKING:
+    import torch
+
 
 @dataclass(frozen=True, kw_only=True)
 class OcclusionConfig:
-    """How traces are labelled. `IDENTITY` names the settings that change a label; the rest only change speed."""
+    """How traces are labelled. `IDENTITY` names the settings that change a label; the rest only change speed.
+
+    The defaults are the study's protocol: a forced answer (the trace's answer cue after every occluded context, a
+    generic cue where the trace has none), read from the forced box itself, whose regeneration stops once that
+    answer is complete, and graded effects beside every outcome (`labeling.answer`). `max_answer_tokens` None means
+    `FORCED_ANSWER_TOKENS` with a forced answer, else `FREE_ANSWER_TOKENS`.
+    """
 
     IDENTITY: ClassVar[tuple[str, ...]] = ("window", "stride", "replacement", "max_answer_tokens", "include_incorrect",
                                            "allow_evicted", "tail", "dtype", "force_answer", "no_answer")
+    # Settings added with graded labels: named in the identity only when they differ from the behaviour of runs made
+    # before them, so those runs keep their identity and resume.
+    LEGACY: ClassVar[dict[str, Any]] = {"stop_at_answer": False, "generic_cue": False}
 
     window: int = 32
     stride: int = 16
     replacement: str = "auto"  # `labeling.replacement`: auto, pad, space, dot, delete or a token id
-    max_answer_tokens: int = 512
+    max_answer_tokens: int | None = None
     include_incorrect: bool = False  # also label wrongly answered traces (against the model's own answer)
     allow_evicted: bool = False  # label traces generated under eviction as if they were dense
     tail: int = DEFAULT_TAIL  # the answer span when a trace has neither </think> nor \boxed{
     dtype: str = "float32"  # weights dtype the labels are made in (float32: reproducible greedy regeneration)
-    force_answer: bool = False  # append the trace's answer cue to every occluded context (`labeling.windows.Cue`)
+    force_answer: bool = True  # append the trace's answer cue to every occluded context (`labeling.windows.Cue`)
+    stop_at_answer: bool = True  # a forced answer's regeneration ends once it is complete; it is read from there
+    generic_cue: bool = True  # a trace without a cue of its own gets `labeling.windows.GENERIC_CUE` (forced answer)
     no_answer: str = DEFAULT_NO_ANSWER  # how a window that gave no answer labels its positions (`rule_labels`)
+    intervention: str = "token"  # `INTERVENTIONS`
+    heads: str = "all"  # cache labels: `HEADS`
+    budget: float = 0.25  # joint labels: the share of the trace's units each keep-set holds, as an evictor's budget
+    draws: int | None = None  # joint labels: random keep-sets per trace (None: `labeling.joint.auto_draws`)
+    draw: str = "shared"  # joint labels: `DRAWS`
+    unit: int = 16  # joint labels: tokens per unit drawn (the resolution of the labels)
+    seed: int = 0  # joint labels: draws are seeded per trace from it
     engine: str = "hf"  # `tasks.engines`: hf (kvscope's regeneration, `method`) or vllm (every context to vLLM)
     batch_size: int = 32  # contexts regenerated together by the fast method
     traces_per_batch: int = 4  # traces per `Unit`
     method: str = "fast"
 
     def __post_init__(self) -> None:
+        if self.max_answer_tokens is None:
+            object.__setattr__(self, "max_answer_tokens",
+                               FORCED_ANSWER_TOKENS if self.force_answer else FREE_ANSWER_TOKENS)
         for name in ("window", "stride", "max_answer_tokens", "tail", "batch_size", "traces_per_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UsageError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -99,14 +135,57 @@ class OcclusionConfig:
             raise unknown_choice("dtype", self.dtype, DTYPES)
         if self.no_answer not in NO_ANSWER_RULES:
             raise unknown_choice("no-answer rule", self.no_answer, NO_ANSWER_RULES)
+        if self.intervention not in INTERVENTIONS:
+            raise unknown_choice("intervention", self.intervention, INTERVENTIONS)
+        if self.heads not in HEADS:
+            raise unknown_choice("heads", self.heads, HEADS)
+        if self.draw not in DRAWS:
+            raise unknown_choice("draw", self.draw, DRAWS)
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int | float) or not 0 < self.budget <= 1:
+            raise UsageError(f"budget {self.budget!r} is not a share of the trace in (0, 1]")
+        if self.draws is not None and (isinstance(self.draws, bool) or not isinstance(self.draws, int)
+                                       or self.draws < 1):
+            raise UsageError(f"draws must be a positive integer, got {self.draws!r}")
+        if not isinstance(self.unit, int) or self.unit < 1:
+            raise UsageError(f"unit must be a positive integer, got {self.unit!r}")
+        if self.intervention != "token":
+            if not self.stops_at_answer:
+                raise UsageError(f"--intervention {self.intervention} forces the answer from a pruned cache: it needs "
+                                 "the forced answer read where it ends (drop --no-force-answer / --no-stop-at-answer)")
+            if self.engine != "hf" or self.method != "fast":
+                raise UsageError(f"--intervention {self.intervention} runs on kvscope's own cache: it has no "
+                                 f"--engine {self.engine} or --method {self.method}")
         from tasks.engines import check_engine
 
         check_engine(self.engine)
 
+    @property
+    def answer_cap(self) -> int:
+        """`max_answer_tokens` as resolved (an int after `__post_init__`)."""
+        assert self.max_answer_tokens is not None  # resolved in __post_init__
+        return self.max_answer_tokens
+
+    @property
+    def stops_at_answer(self) -> bool:
+        """Whether regeneration stops at the forced answer's end and reads the answer there."""
+        return self.force_answer and self.stop_at_answer
+
+    @property
+    def graded(self) -> bool:
+        """Graded effects need the reference answer right after the context: a forced answer read where it ends."""
+        return self.stops_at_answer
+
     def identity(self) -> dict[str, Any]:
         """The settings a label depends on. vLLM's greedy tokens need not equal kvscope's, so another engine is
-        named; hf, the engine of every run made before engines existed, is not, so those runs still resume."""
-        return {**{name: getattr(self, name) for name in self.IDENTITY},
+        named; hf, the engine of every run made before engines existed, is not, so those runs still resume; so are
+        the `LEGACY` settings, named only where they differ from the old behaviour. Cache-level and joint labels
+        name their intervention and its own settings (and fill no window, so have no replacement)."""
+        names = [name for name in self.IDENTITY if not (self.intervention != "token" and name == "replacement")]
+        own = {"token": (), "cache": ("intervention", "heads"),
+               "joint": ("intervention", "budget", "draws", "draw", "unit", "seed")}[self.intervention]
+        return {**{name: getattr(self, name) for name in names},
+                **{name: getattr(self, name) for name, old in self.LEGACY.items() if getattr(self, name) != old},
+                **{name: getattr(self, name) for name in own},
                 **({"engine": self.engine} if self.engine != "hf" else {})}
 
     def to_json(self) -> dict[str, Any]:
@@ -115,11 +194,13 @@ class OcclusionConfig:
 
 @dataclass(frozen=True)
 class TracePlan:
-    """How one trace is labelled: its answer boundary, its answer cue (forced answers only), its windows, and why it
-    is skipped when it has none."""
+    """How one trace is labelled: its answer boundary, its answer cue (forced answers only), the context every
+    occluded copy is made from (the trace up to its boundary, then the cue's tokens), its windows, and why it is
+    skipped when it has none."""
 
     boundary: Boundary
     cue: Cue | None
+    context: tuple[int, ...]
     windows: list[tuple[int, int]]
     skip_reason: str | None = None
 
@@ -130,7 +211,12 @@ class TracePlan:
     @property
     def context_end(self) -> int:
         """Where every regenerated context ends: after the cue with a forced answer, else at the boundary."""
-        return self.cue.end if self.cue else self.boundary.answer_start
+        return len(self.context)
+
+    def occluded(self, start: int, end: int, filler: int | None) -> list[int]:
+        """The context with window ``[start, end)`` occluded (filled with `filler`, or deleted when None)."""
+        answer_start = self.boundary.answer_start
+        return occlude(list(self.context[:answer_start]), start, end, filler) + list(self.context[answer_start:])
 
 
 @dataclass(frozen=True)
@@ -175,7 +261,8 @@ class OcclusionLabeler:
 
     @classmethod
     def for_model(cls, lm, config: OcclusionConfig, dataset: str | None) -> OcclusionLabeler:
-        """A labeler for a `models.lm.LoadedModel` loaded in `config.dtype`, with `dataset`'s answer rules."""
+        """A labeler for a `models.lm.LoadedModel` loaded in `config.dtype`, with `dataset`'s answer rules (None:
+        the rules every dataset shares; a dataset only adds GSM8K's reduction of an answer to its one number)."""
         from tasks.generation import stop_token_ids
         from tasks.grading import extract_answer, is_equivalent
 
@@ -187,33 +274,59 @@ class OcclusionLabeler:
                    same=is_equivalent, stop_ids=stop_token_ids(lm.tokenizer, lm.model), config=config)
 
     def plan(self, trace: Trace) -> TracePlan:
-        """Where a trace's answer span starts, its answer cue (forced-answer labelling), and the windows occlusion
-        will test (none when the span is shorter than a window, or a forced answer finds no cue)."""
-        prompt, generated = len(trace.prompt_ids), list(trace.generated_ids)
+        """Where a trace's answer span starts, its answer cue (forced-answer labelling: the trace's own, else the
+        generic cue when allowed), and the windows occlusion will test (none when the span is shorter than a window,
+        or a forced answer finds no cue)."""
+        prompt, generated, ids = len(trace.prompt_ids), list(trace.generated_ids), trace.token_ids
         if self.config.force_answer:
             cue = find_answer_cue(self.tokenizer, prompt, generated)
+            if cue is None and self.config.generic_cue:
+                cue = generic_cue(self.tokenizer, prompt, generated, self.stop_ids)
             if cue is None:
                 boundary = find_answer_boundary(self.tokenizer, prompt, generated, self.config.tail)
-                return TracePlan(boundary, None, [], "no answer cue: neither </think>, \\boxed{ nor an answer phrase "
-                                 "introduces the trace's answer, so a forced answer has nothing to append")
+                return TracePlan(boundary, None, tuple(ids[:boundary.answer_start]), [],
+                                 "no answer cue: neither </think>, \\boxed{ nor an answer phrase introduces the "
+                                 "trace's answer, so a forced answer has nothing to append")
             boundary = cue.boundary
+            cue_ids = list(cue.ids) if cue.ids is not None else ids[boundary.answer_start:cue.end]
+            context = tuple(ids[:boundary.answer_start] + cue_ids)
         else:
             cue, boundary = None, find_answer_boundary(self.tokenizer, prompt, generated, self.config.tail)
+            context = tuple(ids[:boundary.answer_start])
         windows = occlusion_windows(prompt, boundary.answer_start, self.config.window, self.config.stride)
         span = boundary.answer_start - prompt
-        return TracePlan(boundary, cue, windows, None if windows else f"reasoning span {span} < window "
+        return TracePlan(boundary, cue, context, windows, None if windows else f"reasoning span {span} < window "
                          f"{self.config.window}")
 
     def label(self, trace: Trace, progress: Progress = None) -> Label:
         return self.label_unit(Unit((trace,)), progress)[0]
 
+    def completion(self, plans: Sequence[TracePlan]) -> Callable[[int, list[int]], bool] | None:
+        """``complete(row, tokens)`` for rows of `plans` (one plan per row): has the row's forced answer closed?
+        None when regeneration does not stop at the answer."""
+        if not self.config.stops_at_answer:
+            return None
+        boxes = [plan.cue is not None and plan.cue.box for plan in plans]
+        decode = self.tokenizer.decode
+        return lambda row, tokens: answer_end(decode(tokens, skip_special_tokens=True), boxes[row]) is not None
+
     def label_unit(self, unit: Unit, progress: Progress = None) -> list[Label]:
         """Labels of the unit's traces, in order; `progress(n)` as regenerations finish.
 
-        Every context is the trace up to its answer boundary, a window occluded, then (forced answer) the trace's
-        answer cue. The fast method first regenerates every trace's unoccluded continuation, drafted by the trace's
-        own answer (a greedy trace of this model reproduces it), then every window's, drafted by that continuation.
+        Every context is the trace up to its answer boundary, a window occluded, then (forced answer) the answer cue.
+        The fast method first regenerates every trace's unoccluded continuation (the reference), drafted by the
+        trace's own answer (a greedy trace of this model reproduces it), then every window's, drafted by the
+        reference, whose verifying forward also scores the reference answer after the window (graded labels); one
+        more row per trace scores it after the unoccluded context.
         """
+        if self.config.intervention == "cache":
+            from labeling.cache_labels import label_cache
+
+            return label_cache(self, unit, progress)
+        if self.config.intervention == "joint":
+            from labeling.joint import label_joint
+
+            return label_joint(self, unit, progress)
         from labeling.regenerate import PrefixCache, Row, regenerate_naive, regenerate_rows
 
         assert self.replacement is not None  # resolved in __post_init__
@@ -224,54 +337,132 @@ class OcclusionLabeler:
             plan, ids = self.plan(trace), trace.token_ids
             records.append({"n_tokens": len(ids), "reasoning_start": len(trace.prompt_ids),
                             "answer_start": plan.boundary.answer_start, "boundary": plan.boundary.kind,
-                            "forced_cue": plan.cue.to_json() if plan.cue else None, "no_answer_rule": config.no_answer})
+                            "forced_cue": plan.cue.to_json() if plan.cue else None, "no_answer_rule": config.no_answer,
+                            **({"intervention": "token"} if config.graded else {})})
             if plan.windows:
                 jobs.append((index, ids, plan))
             else:
                 records[index].update(status="skipped", reason=plan.skip_reason)
-
-        def occluded(ids: list[int], plan: TracePlan, start: int, end: int) -> list[int]:
-            return occlude(ids[:plan.boundary.answer_start], start, end, filler) + ids[plan.boundary.answer_start:
-                                                                                      plan.context_end]
+        cap = config.answer_cap
+        scores: dict[int, AnswerScore] = {}
 
         if config.method == "naive" or self.engine is not None:
-            contexts = [context for _, ids, plan in jobs
-                        for context in [ids[:plan.context_end], *(occluded(ids, plan, s, e) for s, e in plan.windows)]]
+            plans = [plan for _, _, plan in jobs for _ in range(len(plan.windows) + 1)]
+            contexts = [context for _, _, plan in jobs
+                        for context in [list(plan.context), *(plan.occluded(s, e, filler) for s, e in plan.windows)]]
             if self.engine is None:
-                continuations = iter(regenerate_naive(self.model, contexts, config.max_answer_tokens, self.stop_ids,
-                                                      progress))
+                continuations = regenerate_naive(self.model, contexts, cap, self.stop_ids, progress,
+                                                 self.completion(plans))
             else:  # every context at once: the engine's prefix cache computes the trace's shared prefix once
                 from tasks.engines import greedy_continuations
 
-                continuations = iter(greedy_continuations(self.engine, contexts, config.max_answer_tokens,
-                                                          self.stop_ids))
+                continuations = [self._cut(tokens, plan) for tokens, plan in zip(
+                    greedy_continuations(self.engine, contexts, cap, self.stop_ids), plans)]
                 if progress:
                     progress(len(contexts))
+            row = 0
             for index, ids, plan in jobs:
-                reference = next(continuations)
-                self._finish(records[index], ids, plan, reference, [next(continuations) for _ in plan.windows])
+                reference, *windows = continuations[row:row + len(plan.windows) + 1]
+                graded = self._teacher_forced(contexts[row:row + len(plan.windows) + 1], reference, plan)
+                self._finish(records[index], ids, plan, reference, windows, graded, unit.traces[index].gold)
+                row += len(plan.windows) + 1
         else:
-            prefixes = [PrefixCache(self.model, ids[:plan.context_end]) for _, ids, plan in jobs]
+            prefixes = [PrefixCache(self.model, plan.context) for _, _, plan in jobs]
             # The reference feeds the least it can: its last token after a full-attention prefix; with sliding layers
             # the prefix cache cannot go back, so it starts one token before the first window (deleting a window flush
             # with the span's end makes rows start there).
             first = [plan.context_end - 1 if prefix.full_attention else max(0, plan.reasoning_start - 1)
                      for prefix, (_, _, plan) in zip(prefixes, jobs)]
             references = regenerate_rows(
-                [Row(prefix, f, tuple(ids[f:plan.context_end]), tuple(ids[plan.context_end:]))
+                [Row(prefix, f, plan.context[f:], self._own_answer(ids, plan))
                  for prefix, f, (_, ids, plan) in zip(prefixes, first, jobs)],
-                config.max_answer_tokens, self.stop_ids, config.batch_size, progress)
-            rows = [Row(prefix, s, tuple(occluded(ids, plan, s, e)[s:]), tuple(reference))
-                    for prefix, reference, (_, ids, plan) in zip(prefixes, references, jobs)
-                    for s, e in plan.windows]
-            continuations = iter(regenerate_rows(rows, config.max_answer_tokens, self.stop_ids, config.batch_size,
-                                                 progress))
-            for reference, (index, ids, plan) in zip(references, jobs):
-                self._finish(records[index], ids, plan, reference, [next(continuations) for _ in plan.windows])
+                cap, self.stop_ids, config.batch_size, progress, self.completion([plan for _, _, plan in jobs]))
+            # Per trace: its windows in order of start, then (graded) the unoccluded context, whose row scores the
+            # reference after it (the baseline of every window's effect); a prefix serves starts in nondecreasing
+            # order.
+            rows, plans, per_trace = [], [], []
+            for prefix, f, reference, (_, _, plan) in zip(prefixes, first, references, jobs):
+                rows += [Row(prefix, s, tuple(plan.occluded(s, e, filler)[s:]), tuple(reference))
+                         for s, e in plan.windows]
+                if config.graded:
+                    baseline = max(f, plan.windows[-1][0])  # after every window start: a prefix cannot go back
+                    rows.append(Row(prefix, baseline, plan.context[baseline:], tuple(reference)))
+                per_trace.append(len(plan.windows) + config.graded)
+                plans += [plan] * per_trace[-1]
+            scored = self._scoring(rows, plans, references, jobs, scores)
+            continuations = regenerate_rows(rows, cap, self.stop_ids, config.batch_size, progress,
+                                            self.completion(plans), scored)
+            row = 0
+            for reference, count, (index, ids, plan) in zip(references, per_trace, jobs):
+                n = len(plan.windows)
+                graded = [scores.get(j) for j in range(row, row + count)] if scored is not None else None
+                # the baseline row comes last: put it first, as the naive path orders its contexts
+                graded = [graded[-1], *graded[:-1]] if graded is not None else None
+                self._finish(records[index], ids, plan, reference, continuations[row:row + n], graded,
+                             unit.traces[index].gold)
+                row += count
         return [Label(id=trace.id, dataset=trace.dataset, model=trace.model, correct=trace.correct,
                       trace_answer=trace.answer, gold=trace.gold, replacement=self.replacement.to_json(),
                       extra={"trace_policy": trace.policy} if trace.evicted else {}, **record)
                 for trace, record in zip(unit.traces, records)]
+
+    def _own_answer(self, ids: list[int], plan: TracePlan) -> tuple[int, ...] | None:
+        """The trace's own continuation after its context: the reference's draft (none after a generic cue, which
+        the trace never followed)."""
+        if plan.cue is not None and plan.cue.ids is not None:
+            return None
+        return tuple(ids[plan.context_end:])
+
+    def _cut(self, tokens: list[int], plan: TracePlan) -> list[int]:
+        """A continuation cut where its forced answer completes (an engine that cannot stop there decodes on)."""
+        if not self.config.stops_at_answer or plan.cue is None:
+            return tokens
+        for end in range(1, len(tokens) + 1):
+            if answer_end(self.tokenizer.decode(tokens[:end], skip_special_tokens=True), plan.cue.box) is not None:
+                return tokens[:end]
+        return tokens
+
+    def _scoring(self, rows, plans, references, jobs, scores: dict[int, AnswerScore]):
+        """The `reference_logits` callback that scores each row's reference answer into `scores` (None when the
+        labels are not graded). A reference that did not complete has no answer to score."""
+        if not self.config.graded:
+            return None
+        complete = [self._answer_ids(reference, plan) is not None for reference, (_, _, plan) in zip(references, jobs)]
+        trace_of = [t for t, (_, _, plan) in enumerate(jobs) for _ in range(len(plan.windows) + 1)]  # + baseline
+
+        def score(row: int, logits: torch.Tensor) -> None:
+            if complete[trace_of[row]]:
+                scores[row] = score_answer(logits, rows[row].reference)
+
+        return score
+
+    def _answer_ids(self, reference: list[int], plan: TracePlan) -> list[int] | None:
+        """The reference's answer tokens (what graded labels score), or None when its forced answer never closed."""
+        if plan.cue is None:
+            return None
+        cut = self._cut(reference, plan)
+        text = self.tokenizer.decode(cut, skip_special_tokens=True)
+        return cut if answer_end(text, plan.cue.box) is not None else None
+
+    def _teacher_forced(self, contexts: Sequence[list[int]], reference: list[int],
+                        plan: TracePlan) -> list[AnswerScore | None] | None:
+        """Graded scores of the reference answer after each context (unoccluded first), by teacher forcing from
+        scratch: the naive and engine paths, which have no verifying forward to read them from."""
+        if not self.config.graded or (answer := self._answer_ids(reference, plan)) is None:
+            return None
+        return list(teacher_forced_scores(self.model, contexts, [answer] * len(contexts), self.config.batch_size))
+
+    def read_answer(self, plan: TracePlan, tokens: list[int]) -> str | None:
+        """The answer a continuation states: with a forced answer read where it ends, what the forced box (or the
+        answer phrase's line) holds, normalised by the dataset's rule; otherwise extracted from the cue and the
+        continuation together, as EpiKV reads a regenerated answer."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.config.stops_at_answer and plan.cue is not None:
+            said = forced_answer_text(text, plan.cue.box)
+            if said is None:
+                return None
+            return self.answer_of(f"\\boxed{{{said}}}" if plan.cue.box else f"The answer is {said}")
+        return self.answer_of((plan.cue.text if plan.cue else "") + text)
 
     def outcome(self, answer: str | None, reference: str, tokens: list[int]) -> str:
         """What a window's regeneration did: kept the reference answer, stated another, or stated none, either
@@ -287,12 +478,13 @@ class OcclusionLabeler:
         return NO_ANSWER
 
     def _finish(self, record: dict[str, Any], ids: list[int], plan: TracePlan, reference_tokens: list[int],
-                continuations: list[list[int]]) -> None:
-        """Fill a trace's record from the regenerated continuations: each window's outcome, the labels."""
-        cue = plan.cue.text if plan.cue else ""
+                continuations: list[list[int]], graded: list[AnswerScore | None] | None, gold: str | None) -> None:
+        """Fill a trace's record from the regenerated continuations (and, graded, the scores of the reference answer
+        after the unoccluded context, then after each window): each window's outcome and effect, the labels, and
+        whether the reference answer is the gold one (None without a gold answer)."""
         texts = [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in [reference_tokens,
                                                                                          *continuations]]
-        answers = [self.answer_of(cue + text) for text in texts]
+        answers = [self.read_answer(plan, tokens) for tokens in [reference_tokens, *continuations]]
         reference = answers[0]
         if reference is None:
             record.update(status="skipped", reason="no answer extracted from the unoccluded regeneration",
@@ -302,13 +494,19 @@ class OcclusionLabeler:
         reasoning_start, answer_start = record["reasoning_start"], record["answer_start"]
         by_position = rule_labels(reasoning_start, answer_start, plan.windows, outcomes, self.config.no_answer)
         reasoning = [label for position, label in by_position.items() if position >= reasoning_start]
+        base = graded[0] if graded else None
         windows = []
-        for (start, end), outcome, answer, tokens in zip(plan.windows, outcomes, answers[1:], continuations):
+        for i, ((start, end), outcome, answer, tokens) in enumerate(zip(plan.windows, outcomes, answers[1:],
+                                                                        continuations)):
             kept = tokens[:KEPT_TOKENS]
-            windows.append({"start": start, "end": end, "outcome": outcome,
-                            "flipped": outcome == DIFFERENT or self.config.no_answer == "flip" and outcome != SAME,
-                            "answer_before": reference, "answer_after": answer, "continuation": kept,
-                            "continuation_text": self.tokenizer.decode(kept, skip_special_tokens=False)})
+            window = {"start": start, "end": end, "outcome": outcome,
+                      "flipped": outcome == DIFFERENT or self.config.no_answer == "flip" and outcome != SAME,
+                      "answer_before": reference, "answer_after": answer, "continuation": kept,
+                      "continuation_text": self.tokenizer.decode(kept, skip_special_tokens=False)}
+            score = graded[i + 1] if graded else None
+            if base is not None and score is not None:
+                window.update(effect=round(score.logp - base.logp, 6), **score.to_json())
+            windows.append(window)
         record.update(
             status="labelled",
             token_ids=ids,
@@ -319,18 +517,35 @@ class OcclusionLabeler:
             windows=windows,
             outcome_counts={name: outcomes.count(name) for name in OUTCOMES},
             important_fraction=sum(reasoning) / len(reasoning) if reasoning else None,
+            reference_matches_gold=None if gold is None else bool(self.same(reference, gold)),
         )
+        if base is not None:
+            answer_ids = self._answer_ids(reference_tokens, plan)
+            record["graded"] = {"answer_ids": answer_ids, **{f"reference_{k}": v for k, v in base.to_json().items()}}
 
     def regenerations(self, trace: Trace) -> int:
-        """How many contexts labelling `trace` regenerates: its windows and the unoccluded reference (0 if skipped)."""
+        """How many contexts labelling `trace` regenerates or scores (what its progress counts; 0 if skipped): token
+        occlusion, its windows and the unoccluded reference (plus that context scored again for graded labels);
+        cache labels, each window (per KV head with ``heads="each"``) and the reference; joint labels, each draw and
+        the reference."""
         windows = self.plan(trace).windows
-        return len(windows) + 1 if windows else 0
+        if not windows:
+            return 0
+        if self.config.intervention == "cache":
+            return len(windows) * (self.model.config.num_key_value_heads if self.config.heads == "each" else 1) + 1
+        if self.config.intervention == "joint":
+            from labeling.joint import draws_for, trace_units
+
+            units = trace_units(self.plan(trace), len(trace.prompt_ids), self.config.unit)
+            return draws_for(self.config, len(units)) + 1 if len(units) > 1 else 0
+        scored_again = self.config.graded and self.config.method == "fast" and self.engine is None
+        return len(windows) + 1 + scored_again
 
     def decode_tokens(self, trace: Trace) -> int:
         """The naive method's decode cost of `trace`: every regeneration as long as what follows its context in the
         trace (at most `max_answer_tokens`), the length a greedy trace's own regeneration reproduces."""
         answer_span = len(trace.token_ids) - self.plan(trace).context_end
-        return self.regenerations(trace) * min(max(1, answer_span), self.config.max_answer_tokens)
+        return self.regenerations(trace) * min(max(1, answer_span), self.config.answer_cap)
 
 
 def label_traces(labeler: OcclusionLabeler, traces: Sequence[Trace], progress: Progress = None) -> list[Label]:

@@ -20,8 +20,8 @@ import sys
 from core.backend import BackendConfig, add_backend_arguments
 from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, program_name, thread_count
 from labeling.job import NothingLabelled, OcclusionJob, run_occlusion
-from labeling.labeler import METHODS, OcclusionConfig
-from labeling.windows import NO_ANSWER_RULES
+from labeling.labeler import DRAWS, HEADS, INTERVENTIONS, METHODS, OcclusionConfig
+from labeling.windows import GENERIC_CUE, NO_ANSWER_RULES
 from tasks.engines import ENGINES
 
 
@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m labeling.occlusion",
         description="Counterfactual occlusion labels (EpiKV App. 8): slide a window over each trace's reasoning, "
-        "occlude it, regenerate the answer greedily and mark the window important if the answer changes.",
+        "occlude it, force the answer and mark the window important if the answer changes; every window also "
+        "records the change of the reference answer's log-probability (graded effect). --intervention cache removes "
+        "the window from the KV cache instead; --intervention joint evicts random keep-sets at --budget.",
     )
     parser.add_argument("--dataset", default=None,
                         help="math500, aime24 or gsm8k: the problems to generate traces for (required without "
@@ -63,18 +65,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "single space, because many chat models pad with their end-of-turn token), pad (the pad "
                         "token whatever it is, as in EpiKV), space, dot (single neutral tokens), delete (remove the "
                         "window, shortening the context) or a token id; the choice is recorded in every label")
-    parser.add_argument("--force-answer", action="store_true",
+    parser.add_argument("--intervention", default=defaults.intervention, choices=INTERVENTIONS,
+                        help="what a label's counterfactual does (docs/labels.md): token (default: replace a window's "
+                        "text and regenerate, EpiKV App. 8), cache (remove a window's keys and values from the dense "
+                        "cache at the answer boundary and force the answer: eviction's own intervention, no "
+                        "re-prefill) or joint (random keep-sets of the trace at --budget, each unit's share of the "
+                        "answer fitted by a linear datamodel: sees a fact stated twice)")
+    parser.add_argument("--heads", default=defaults.heads, choices=HEADS,
+                        help="cache labels: remove a window from every KV head at once (all, default) or from each KV "
+                        "head on its own (each: one row per window and head)")
+    parser.add_argument("--budget", type=float, default=defaults.budget,
+                        help="joint labels: the share of the trace each keep-set holds, in (0, 1] (each unit kept "
+                        f"with this probability; default {defaults.budget})")
+    parser.add_argument("--draws", type=positive_int, default=None,
+                        help="joint labels: random keep-sets per trace (default: max(128, 8 x the trace's units))")
+    parser.add_argument("--draw", default=defaults.draw, choices=DRAWS,
+                        help="joint labels: one keep-set for every KV head (shared, default) or one per KV head "
+                        "(per-head, as Random Attention draws)")
+    parser.add_argument("--unit", type=positive_int, default=defaults.unit,
+                        help=f"joint labels: tokens per unit drawn, the labels' resolution (default {defaults.unit})")
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help=f"joint labels: the seed each trace's draws derive from (default {defaults.seed})")
+    parser.add_argument("--force-answer", action=argparse.BooleanOptionalAction, default=defaults.force_answer,
                         help="append the trace's own answer cue (the tokens from the answer boundary up to the answer "
                         "itself, e.g. '\\boxed{' or 'The answer is') after every occluded context, so each must "
-                        "state an answer and a window is important when the answer changes (docs/labels.md); traces "
-                        "without a cue are skipped, naming why")
+                        "state an answer and a window is important when the answer changes (default, as the study "
+                        "labels: docs/labels.md); --no-force-answer regenerates freely from the answer boundary "
+                        "(EpiKV App. 8)")
+    parser.add_argument("--stop-at-answer", action=argparse.BooleanOptionalAction, default=defaults.stop_at_answer,
+                        help="a forced answer's regeneration stops once the answer is complete (its box closes, or "
+                        "the answer phrase's line ends) and the answer is read there, never from a later box; graded "
+                        "effects need it (default on; --no-stop-at-answer reads cue + continuation as labels made "
+                        "before it did)")
+    parser.add_argument("--generic-cue", action=argparse.BooleanOptionalAction, default=defaults.generic_cue,
+                        help=f"a trace with no answer cue of its own gets a generic one ({GENERIC_CUE!r} after its "
+                        "text), recorded as such (default on; --no-generic-cue skips such traces, naming why)")
     parser.add_argument("--no-answer", default=defaults.no_answer, choices=NO_ANSWER_RULES,
                         help="how a window after which the model states no answer (or degenerates: it stops at once "
                         "or repeats the filler) labels its positions: flip (important, EpiKV's literal rule), exclude "
                         "(no evidence: its positions keep the other covering window's label, or none), own-class "
                         f"(its positions are left out of validation as their own class); default {defaults.no_answer}")
-    parser.add_argument("--max-answer-tokens", type=positive_int, default=defaults.max_answer_tokens,
-                        help=f"greedy regeneration length limit per window (default {defaults.max_answer_tokens})")
+    parser.add_argument("--max-answer-tokens", type=positive_int, default=None,
+                        help=f"greedy regeneration length limit per window (default {defaults.max_answer_tokens} "
+                        f"with a forced answer, {OcclusionConfig(force_answer=False).max_answer_tokens} without)")
     parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
                         help=f"contexts regenerated together by the fast method (default {defaults.batch_size}; "
                         "memory grows with it: each holds a copy of its trace's KV cache)")
@@ -106,7 +139,10 @@ def job_from_args(args: argparse.Namespace) -> OcclusionJob:
                              max_answer_tokens=args.max_answer_tokens, include_incorrect=args.include_incorrect,
                              allow_evicted=args.allow_evicted, dtype=args.dtype, force_answer=args.force_answer,
                              no_answer=args.no_answer, batch_size=args.batch_size,
-                             traces_per_batch=args.traces_per_batch, method=args.method, engine=args.engine)
+                             traces_per_batch=args.traces_per_batch, method=args.method, engine=args.engine,
+                             stop_at_answer=args.stop_at_answer, generic_cue=args.generic_cue,
+                             intervention=args.intervention, heads=args.heads, budget=args.budget, draws=args.draws,
+                             draw=args.draw, unit=args.unit, seed=args.seed)
     return OcclusionJob(config=config, traces=args.traces, dataset=args.dataset, model=args.model,
                         data_file=args.data_file, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         shard=args.shard, device=args.device, threads=args.threads)

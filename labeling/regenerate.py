@@ -47,11 +47,16 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+Complete = Callable[[int, list[int]], bool] | None  # (row, its tokens so far) -> has its forced answer closed?
+ReferenceLogits = Callable[[int, torch.Tensor], None] | None  # (row, logits [len(reference), vocab])
+
+
 def _decode(model, cache: DynamicCache, next_ids: torch.Tensor, outputs: list[list[int]], active: list[int],
-            steps: int, stops: torch.Tensor) -> None:
+            steps: int, stops: torch.Tensor, complete: Complete = None) -> None:
     """Append `next_ids [active]` to each active row's output, then decode up to `steps` more tokens greedily.
 
-    Rows leave the batch (and the cache) at a stop token. argmax breaks ties by the lowest id in every engine.
+    Rows leave the batch (and the cache) at a stop token, or once ``complete(row, output)`` holds. argmax breaks ties
+    by the lowest id in every engine.
     """
     for step in range(steps + 1):
         for row, token in zip(active, next_ids.tolist()):
@@ -59,6 +64,8 @@ def _decode(model, cache: DynamicCache, next_ids: torch.Tensor, outputs: list[li
         if step == steps:
             return
         keep = ~torch.isin(next_ids, stops)
+        if complete is not None:
+            keep &= torch.tensor([not complete(row, outputs[row]) for row in active], device=keep.device)
         if not bool(keep.any()):
             return
         if not bool(keep.all()):
@@ -70,13 +77,22 @@ def _decode(model, cache: DynamicCache, next_ids: torch.Tensor, outputs: list[li
         next_ids = logits[:, -1].argmax(-1)
 
 
+def _cut_at_completion(tokens: list[int], row: int, complete: Complete) -> tuple[list[int], bool]:
+    """`tokens` up to the one after which the row's forced answer is complete, and whether it is."""
+    if complete is not None:
+        for end in range(1, len(tokens) + 1):
+            if complete(row, tokens[:end]):
+                return tokens[:end], True
+    return tokens, False
+
+
 def _stop_tensor(stop_ids: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(sorted(set(stop_ids)), device=device, dtype=torch.long)
 
 
 @torch.no_grad()
 def greedy_extend(model, cache: DynamicCache, input_ids: torch.Tensor, max_new_tokens: int,
-                  stop_ids: Sequence[int]) -> list[list[int]]:
+                  stop_ids: Sequence[int], complete: Complete = None) -> list[list[int]]:
     """Feed ``input_ids [batch, L]`` after `cache` (every row at the same cached length) and decode greedily.
 
     Returns the new tokens of each row. `cache` is consumed.
@@ -84,21 +100,26 @@ def greedy_extend(model, cache: DynamicCache, input_ids: torch.Tensor, max_new_t
     logits = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     outputs: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
     _decode(model, cache, logits[:, -1].argmax(-1), outputs, list(range(input_ids.shape[0])), max_new_tokens - 1,
-            _stop_tensor(stop_ids, input_ids.device))
+            _stop_tensor(stop_ids, input_ids.device), complete)
     return outputs
 
 
 @torch.no_grad()
 def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor, draft: Sequence[int],
-                             max_new_tokens: int, stop_ids: Sequence[int], chunk: int = 32) -> list[list[int]]:
+                             max_new_tokens: int, stop_ids: Sequence[int], chunk: int = 32, complete: Complete = None,
+                             reference_logits: ReferenceLogits = None) -> list[list[int]]:
     """`greedy_extend`, verifying `draft` (the likely continuation) in chunks instead of decoding it token by token.
 
     Works with every cache layer type (sliding layers record their past until the crop); one divergence point per
-    batch, so rows that diverge early make the others decode from there too (`speculative_greedy` does not).
+    batch, so rows that diverge early make the others decode from there too (`speculative_greedy` does not). With
+    `reference_logits`, the first chunk covers the whole draft and ``reference_logits(row, logits)`` gets each row's
+    logits predicting the draft's tokens.
     """
     batch, device = input_ids.shape[0], input_ids.device
     stops = _stop_tensor(stop_ids, device)
     draft = list(draft)[:max_new_tokens]
+    if reference_logits is not None:
+        chunk = max(chunk, len(draft))
     # A finished draft (stop token or full length) needs no prediction after its last token; an open one does.
     finished = bool(draft) and (draft[-1] in stop_ids or len(draft) == max_new_tokens)
     to_feed = len(draft) - 1 if finished else len(draft)
@@ -112,7 +133,11 @@ def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor
         take = min(chunk, to_feed - fed)
         feed = torch.cat([feed, draft_ids[fed:fed + take].expand(batch, -1)], dim=1)
         keep = take + 1 if fed == 0 else take
-        step = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=keep).logits.argmax(-1)
+        logits = model(input_ids=feed, cache=cache, use_cache=True, logits_to_keep=keep).logits
+        if fed == 0 and reference_logits is not None and draft:
+            for row in range(batch):
+                reference_logits(row, logits[row, : len(draft)])
+        step = logits.argmax(-1)
         done = sum(c.shape[1] for c in chunks)
         chunks.append(step)
         agreeing &= (step[:, : max(0, len(draft) - done)] == draft_ids[done:done + step.shape[1]]).all(1)
@@ -127,13 +152,9 @@ def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor
     outputs: list[list[int]] = [[] for _ in range(batch)]
     unfinished = []
     for row, a in enumerate(accepted):
-        if a == len(draft) and finished:
-            outputs[row] = draft[:]
-            continue
-        token = int(predicted[row, a])
-        if token in stop_ids or a + 1 == max_new_tokens:
-            outputs[row] = draft[:a] + [token]
-        else:
+        decided = draft[:] if a == len(draft) and finished else draft[:a] + [int(predicted[row, a])]
+        outputs[row], closed = _cut_at_completion(decided, row, complete)
+        if not (closed or decided == draft and finished or decided[-1] in stop_ids or len(decided) == max_new_tokens):
             unfinished.append(row)
     if unfinished:
         m = min(accepted[row] for row in unfinished)
@@ -142,17 +163,20 @@ def greedy_extend_with_draft(model, cache: DynamicCache, input_ids: torch.Tensor
         cache.crop(-(fed - m))  # keep the context and the m agreed draft tokens
         for row in unfinished:
             outputs[row] = draft[:m]
-        _decode(model, cache, predicted[index, m], outputs, unfinished, max_new_tokens - m - 1, stops)
+        _decode(model, cache, predicted[index, m], outputs, unfinished, max_new_tokens - m - 1, stops, complete)
     return outputs
 
 
 def regenerate_naive(model, contexts: Sequence[Sequence[int]], max_new_tokens: int,
-                     stop_ids: Sequence[int], progress: Progress = None) -> list[list[int]]:
-    """The greedy continuation of each context, each prefilled from scratch."""
+                     stop_ids: Sequence[int], progress: Progress = None, complete: Complete = None) -> list[list[int]]:
+    """The greedy continuation of each context, each prefilled from scratch (stopping once ``complete(i, tokens)``
+    holds for context i)."""
     results = []
-    for context in contexts:
+    for index, context in enumerate(contexts):
         ids = torch.tensor([list(context)], dtype=torch.long, device=_device(model))
-        results.append(greedy_extend(model, DynamicCache(config=model.config), ids, max_new_tokens, stop_ids)[0])
+        row_complete = None if complete is None else (lambda _, tokens, i=index: complete(i, tokens))
+        results.append(greedy_extend(model, DynamicCache(config=model.config), ids, max_new_tokens, stop_ids,
+                                     row_complete)[0])
         if progress:
             progress(1)
     return results
@@ -206,9 +230,13 @@ class Row:
 
 
 def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 8,
-                    progress: Progress = None) -> list[list[int]]:
+                    progress: Progress = None, complete: Complete = None,
+                    reference_logits: ReferenceLogits = None) -> list[list[int]]:
     """The greedy continuation of each row, in order. Rows may come from several traces (prefixes); each prefix's
     rows must be in nondecreasing start order, and no start may precede one already served by its prefix.
+
+    `complete(i, tokens)` ends row i once its forced answer has closed; `reference_logits(i, logits)` receives row
+    i's logits predicting each token of its reference, from the forward that verifies it (no extra forward).
 
     Full-attention models: rows from any traces share a `speculative_greedy` batch of up to `batch_size` rows,
     refilled as rows finish. Models with
@@ -225,7 +253,8 @@ def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence
         tails = [row.prefix.ids[s:row.start] + list(row.tail) for s, row in zip(starts, rows)]
         contexts = [row.prefix.ids[:row.start] + list(row.tail) for row in rows]
         return speculative_greedy(model, caches, tails, contexts, max_new_tokens, stop_ids,
-                                  [row.reference for row in rows], batch_size=batch_size, progress=progress)
+                                  [row.reference for row in rows], batch_size=batch_size, progress=progress,
+                                  complete=complete, reference_logits=reference_logits)
     device = _device(model)
     first = 0
     while first < len(rows):
@@ -240,10 +269,15 @@ def regenerate_rows(rows: Sequence[Row], max_new_tokens: int, stop_ids: Sequence
         cache = prefix.copy_at(s0, len(batch))
         inputs = torch.tensor([prefix.ids[s0:row.start] + list(row.tail) for row in batch],
                               dtype=torch.long, device=device)  # [batch, length - s0]
+        offset = first
+        batch_complete = None if complete is None else (lambda row, tokens, o=offset: complete(o + row, tokens))
         if reference is not None:
-            results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids))
+            batch_logits = None if reference_logits is None else (
+                lambda row, logits, o=offset: reference_logits(o + row, logits))
+            results.extend(greedy_extend_with_draft(model, cache, inputs, reference, max_new_tokens, stop_ids,
+                                                    complete=batch_complete, reference_logits=batch_logits))
         else:
-            results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids))
+            results.extend(greedy_extend(model, cache, inputs, max_new_tokens, stop_ids, batch_complete))
         if progress:
             progress(len(batch))
         first += len(batch)

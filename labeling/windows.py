@@ -21,11 +21,15 @@ trace with none of them has no cue (`find_answer_cue` returns None).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 THINK_END = "</think>"
 BOXED = "\\boxed{"
 DEFAULT_TAIL = 64
+# The answer prompt forced after a trace that has no cue of its own (`generic_cue`), and its boundary's kind.
+GENERIC_CUE = "\n\nSo the final answer is \\boxed{"
+GENERIC = "generic"
 
 
 # What introduces an answer in a trace without a box: the phrases `tasks.grading` reads answers after, and GSM8K's
@@ -44,14 +48,22 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Cue:
-    """The answer cue of a trace: ``[boundary.answer_start, end)`` in absolute positions, and its text."""
+    """The answer cue of a trace: ``[boundary.answer_start, end)`` in absolute positions, and its text; `box` when
+    it opens the box the answer goes in (else an answer phrase introduces the answer: `labeling.answer`).
+
+    A generic cue (`generic_cue`) is not part of the trace: its tokens `ids` follow the trace's reasoning, which then
+    ends where the trace's own text ends (``end == boundary.answer_start``)."""
 
     boundary: Boundary
     end: int  # absolute position of the first token of the answer itself
     text: str
+    box: bool = True
+    ids: tuple[int, ...] | None = None  # a generic cue's own tokens (None: the trace's ``[answer_start, end)``)
 
     def to_json(self) -> dict:
-        return {"start": self.boundary.answer_start, "end": self.end, "text": self.text, "kind": self.boundary.kind}
+        data = {"start": self.boundary.answer_start, "end": self.end, "text": self.text, "kind": self.boundary.kind,
+                "box": self.box}
+        return {**data, "ids": list(self.ids)} if self.ids is not None else data
 
 
 def _token_holding_char(tokenizer, ids: list[int], char_index: int) -> int:
@@ -102,7 +114,18 @@ def find_answer_cue(tokenizer, prompt_len: int, generated_ids: list[int]) -> Cue
         return None
     kind = "think" if think >= 0 else "boxed" if boxed >= 0 else "phrase"
     cue_text = tokenizer.decode(generated_ids[start:end], skip_special_tokens=False)
-    return Cue(Boundary(prompt_len + start, kind), prompt_len + end, cue_text)
+    return Cue(Boundary(prompt_len + start, kind), prompt_len + end, cue_text, box=boxed >= 0)
+
+
+def generic_cue(tokenizer, prompt_len: int, generated_ids: list[int], stop_ids: Sequence[int]) -> Cue:
+    """The cue forced after a trace with no answer cue of its own: `GENERIC_CUE` after everything the trace says
+    (its text without the stop tokens that end it), as answer forcing appends an answer prompt to a chain of thought.
+    The whole generation is then reasoning: occlusion may also cover an answer the trace stated in words."""
+    end = len(generated_ids)
+    while end and generated_ids[end - 1] in stop_ids:
+        end -= 1
+    ids = tuple(tokenizer.encode(GENERIC_CUE, add_special_tokens=False))
+    return Cue(Boundary(prompt_len + end, GENERIC), prompt_len + end, GENERIC_CUE, box=True, ids=ids)
 
 
 def occlusion_windows(reasoning_start: int, answer_start: int, window: int, stride: int) -> list[tuple[int, int]]:

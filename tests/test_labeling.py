@@ -159,11 +159,19 @@ def test_auto_replacement_falls_back_to_a_dot_then_refuses():
 
 def test_occlusion_config_checks_and_identity():
     config = OcclusionConfig(window=8, stride=4, batch_size=2, traces_per_batch=1, method="naive")
-    assert config.identity() == {"window": 8, "stride": 4, "replacement": "auto", "max_answer_tokens": 512,
+    assert config.identity() == {"window": 8, "stride": 4, "replacement": "auto", "max_answer_tokens": 64,
                                  "include_incorrect": False, "allow_evicted": False, "tail": 64, "dtype": "float32",
-                                 "force_answer": False, "no_answer": "exclude"}
+                                 "force_answer": True, "no_answer": "exclude", "stop_at_answer": True,
+                                 "generic_cue": True}
+    assert config.graded and OcclusionConfig(force_answer=False).max_answer_tokens == 512
     # how the work is grouped and computed is not part of what the labels mean
     assert OcclusionConfig(window=8, stride=4).identity() == config.identity()
+    # a run made before graded labels keeps its identity, so it resumes
+    legacy = OcclusionConfig(window=8, stride=4, force_answer=False, stop_at_answer=False, generic_cue=False)
+    assert legacy.identity() == {"window": 8, "stride": 4, "replacement": "auto", "max_answer_tokens": 512,
+                                 "include_incorrect": False, "allow_evicted": False, "tail": 64, "dtype": "float32",
+                                 "force_answer": False, "no_answer": "exclude"}
+    assert not legacy.graded and not OcclusionConfig(stop_at_answer=False).graded
     for bad, message in [({"stride": 40}, "untested"), ({"replacement": "blank"}, "valid choices"),
                          ({"method": "quick"}, "valid choices"), ({"window": 0}, "positive"),
                          ({"dtype": "int8"}, "valid choices"),
@@ -207,13 +215,16 @@ def test_estimate_by_hand():
 def test_decode_tokens_counts_regenerations_times_answer_span():
     tok = tiny_tokenizer()
     labeler = OcclusionLabeler(model=None, tokenizer=tok, answer_of=str, same=str.__eq__, stop_ids=[],
-                               config=OcclusionConfig(window=8, stride=4, max_answer_tokens=5))
+                               config=OcclusionConfig(window=8, stride=4, max_answer_tokens=5, force_answer=False))
     # reasoning 20 tokens (windows at 0, 4, 8, 12 = 4, + 1 reference), answer span "\\boxed{42}" = 10 tokens
     trace = _trace(tok.encode("Q"), tok.encode("x" * 20 + "\\boxed{42}", add_special_tokens=False))
     assert labeler.regenerations(trace) == 5
     assert labeler.decode_tokens(trace) == 5 * 5  # capped at max_answer_tokens
-    labeler.config = OcclusionConfig(window=8, stride=4, max_answer_tokens=512)
+    labeler.config = OcclusionConfig(window=8, stride=4, max_answer_tokens=512, force_answer=False)
     assert labeler.decode_tokens(trace) == 5 * 10
+    # graded (forced) labels score the unoccluded context once more; the forced answer follows the cue "\\boxed{"
+    labeler.config = OcclusionConfig(window=8, stride=4, max_answer_tokens=512)
+    assert labeler.regenerations(trace) == 6 and labeler.decode_tokens(trace) == 6 * 3
 
 
 def _label(labels, trace_id="t", reasoning_start=2, status="labelled", token_ids=None) -> Label:
@@ -377,7 +388,7 @@ def test_prefix_cache_cuts_full_attention_and_only_extends_sliding(tiny_llama, t
 def _labeler(lm, method, **kw):
     tok = lm.tokenizer
     config = OcclusionConfig(**{"window": 8, "stride": 4, "replacement": "pad", "max_answer_tokens": 8,
-                                "batch_size": 4, "method": method, **kw})
+                                "batch_size": 4, "method": method, "force_answer": False, **kw})
     return OcclusionLabeler(model=lm.model, tokenizer=tok, answer_of=lambda text: text[:4] or None,
                             same=lambda a, b: a == b, stop_ids=[tok.eos_token_id], config=config)
 
@@ -417,7 +428,7 @@ def test_forced_answer_appends_the_cue_and_fast_equals_naive(chaotic_tiny):
     for replacement in ("pad", "delete"):
         labels = []
         for method in ("fast", "naive"):
-            labeler = _labeler(chaotic_tiny, method, force_answer=True, replacement=replacement)
+            labeler = _labeler(chaotic_tiny, method, force_answer=True, stop_at_answer=False, replacement=replacement)
             labeler.answer_of = answer_of
             labels.append(labeler.label(trace))
         fast, naive = labels
@@ -439,8 +450,9 @@ def test_an_engine_regenerating_every_context_gives_the_fast_labels(chaotic_tiny
     tok = chaotic_tiny.tokenizer
     traces = [_trace(tok.encode(PROMPT), tok.encode(REASONING + " \\boxed{42}.<|eos|>", add_special_tokens=False),
                      trace_id, answer="42", gold="42", correct=True) for trace_id in ("a", "b")]
-    fast = label_traces(_labeler(chaotic_tiny, "fast", force_answer=True, traces_per_batch=2), traces)
-    labeler = _labeler(chaotic_tiny, "fast", force_answer=True, traces_per_batch=2)
+    legacy = {"force_answer": True, "stop_at_answer": False}  # the tiny model never closes a box
+    fast = label_traces(_labeler(chaotic_tiny, "fast", traces_per_batch=2, **legacy), traces)
+    labeler = _labeler(chaotic_tiny, "fast", traces_per_batch=2, **legacy)
     labeler.engine = HFEngine(chaotic_tiny, batch_size=4)
     calls = []
     labeler.engine.stream = lambda requests, stops=None, stream=labeler.engine.stream: (

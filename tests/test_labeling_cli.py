@@ -60,8 +60,9 @@ def toy_answers(monkeypatch):
 
 
 def _args(traces, out, *extra):
+    """Free regeneration (a random model never closes a forced box), so the toy answers can flip."""
     return ["--traces", str(traces), "--out", str(out), "--window", "8", "--stride", "4",
-            "--max-answer-tokens", "4", *extra]
+            "--max-answer-tokens", "4", "--no-force-answer", *extra]
 
 
 def _records(path):
@@ -231,7 +232,7 @@ def test_generation_mode_prints_its_plan_then_generates_and_labels(tmp_path, tra
     out = tmp_path / "generated"
     assert main(["--dataset", "gsm8k", "--model", model_dir, "--limit", "2", "--max-new-tokens", "80",
                  "--include-incorrect", "--window", "8", "--stride", "4", "--max-answer-tokens", "4",
-                 "--out", str(out)]) == 0
+                 "--no-force-answer", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "plan: generate 2 gsm8k traces of at most 80 new tokens" in err
     assert "up to 3 windows per trace" in err  # span 80 - 64 = 16: windows at 0, 4, 8
