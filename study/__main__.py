@@ -22,7 +22,7 @@ from core.cli import (
     unit_interval,
 )
 from evictor.protocol import BUDGET_SCOPES, ON_LONG_PROMPT, PROTECTIONS, PROTOCOLS
-from labeling.labeler import DEFAULT_NO_ANSWER
+from labeling.labeler import DEFAULT_NO_ANSWER, DRAWS, FORCED_ANSWER_TOKENS, FREE_ANSWER_TOKENS, HEADS
 from labeling.windows import DEFAULT_TAIL, NO_ANSWER_RULES
 from models.registry import DEFAULT_MODEL, REGISTRY
 from study.config import (
@@ -30,13 +30,13 @@ from study.config import (
     BASELINES,
     COMPARE_N_BOOT,
     DEFAULT_AGREEMENT_TRACES,
+    DEFAULT_JOINT_BUDGET,
+    DEFAULT_LABELS,
     DEFAULT_PROTECT,
     DEFAULT_PROTOCOL,
     DEFAULT_SCORERS,
     DEFAULT_TOP,
     EVICT_PROBLEMS,
-    FORCED_ANSWER_TOKENS,
-    FREE_ANSWER_TOKENS,
     PAPER_DEFAULTS,
     StudyConfig,
     parse_names,
@@ -111,6 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="append the trace's own answer cue (e.g. '\\boxed{') after every occluded context, so "
                         "each must state an answer and a window is important when the answer changes (default: on; "
                         "--no-force-answer regenerates from the answer boundary, EpiKV App. 8)")
+    labels.add_argument("--stop-at-answer", action=argparse.BooleanOptionalAction, default=True,
+                        help="a forced answer's regeneration stops once the answer is complete and the answer is read "
+                        "there, so every window also carries a graded effect (the change of the reference answer's "
+                        "log-probability); default on")
+    labels.add_argument("--generic-cue", action=argparse.BooleanOptionalAction, default=True,
+                        help="a trace without an answer cue of its own is labelled after a generic one (an answer "
+                        "prompt appended after its text), recorded as such (default on; off: such traces are skipped)")
+    labels.add_argument("--labels", default=",".join(DEFAULT_LABELS),
+                        help="label kinds, token first (the labels selection ranks scorers against), then any of "
+                        "cache (a window's keys and values removed from the dense cache at the answer boundary) and "
+                        "joint (random keep-sets at --joint-budget, each unit's share of the answer fitted by a "
+                        "linear datamodel); docs/labels.md says what each measures and costs (default: token)")
+    labels.add_argument("--cache-heads", default="all", choices=HEADS,
+                        help="cache labels: remove a window from every KV head at once (all, default) or from each KV "
+                        "head on its own (each)")
+    labels.add_argument("--joint-budget", type=unit_interval, default=None,
+                        help="joint labels: the share of the trace each keep-set holds, in (0, 1] (default: the "
+                        f"smallest fractional --budget, else {DEFAULT_JOINT_BUDGET})")
+    labels.add_argument("--joint-draws", type=positive_int, default=None,
+                        help="joint labels: random keep-sets per trace (default max(128, 8 x the trace's units))")
+    labels.add_argument("--joint-draw", default="shared", choices=DRAWS,
+                        help="joint labels: one keep-set for every KV head (shared, default) or one per KV head")
+    labels.add_argument("--joint-unit", type=positive_int, default=16,
+                        help="joint labels: tokens per unit drawn, the labels' resolution (default 16)")
     labels.add_argument("--no-answer", default=DEFAULT_NO_ANSWER, choices=NO_ANSWER_RULES,
                         help="how a window after which no answer comes back labels its positions: flip (important), "
                         "exclude (no evidence either way) or own-class (left out of validation as a class of its own); "
@@ -158,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run every --scorers policy in the evictor at its default parameters, so the report "
                        "can set each scorer's offline rho beside what evicting by it keeps and give the rank "
                        "correlation between the two (costs one cell per scorer and budget)")
+    evict.add_argument("--teacher-forced", action="store_true",
+                       help="also run every deployed configuration teacher-forced on the dense traces at every "
+                       "budget, the reference answer forced and scored (evictor.teacher_forced): an offline estimate "
+                       "of deployed accuracy beside the deployed cells (costs about one prefill per trace, "
+                       "configuration and budget)")
+    evict.add_argument("--teacher-block", type=positive_int, default=32,
+                       help="teacher-forced eviction: trace tokens per forward, a round after each (default 32; 1: "
+                       "every round as deployed)")
     evict.add_argument("--batch-size", type=positive_int, default=1,
                        help="problems the evictor decodes together, left-padded (default 1); a speed setting, so a "
                        "rerun with another batch size reuses the finished eviction records")
@@ -179,7 +211,10 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         limit=args.limit, max_new_tokens=args.max_new_tokens, traces=args.traces,
         include_incorrect=args.include_incorrect, engine=args.engine, window=args.window, stride=args.stride,
         replacement=args.replacement, max_answer_tokens=args.max_answer_tokens, tail=args.tail,
-        force_answer=args.force_answer, no_answer=args.no_answer,
+        force_answer=args.force_answer, no_answer=args.no_answer, stop_at_answer=args.stop_at_answer,
+        generic_cue=args.generic_cue, labels=parse_names(args.labels, "--labels"), cache_heads=args.cache_heads,
+        joint_budget=args.joint_budget, joint_draws=args.joint_draws, joint_draw=args.joint_draw,
+        joint_unit=args.joint_unit, teacher_forced=args.teacher_forced, teacher_block=args.teacher_block,
         agreement_traces=args.agreement_traces, scorers=parse_names(args.scorers, "--scorers"),
         signal_window=args.signal_window, top=args.top, level=args.level, n_boot=args.n_boot,
         protocol=args.protocol, protect=args.protect, budget_scope=args.budget_scope,

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.errors import UsageError, unknown_choice
-from labeling.labeler import DEFAULT_NO_ANSWER, OcclusionConfig
+from labeling.labeler import (
+    DEFAULT_NO_ANSWER,
+    DRAWS,
+    HEADS,
+    INTERVENTIONS,
+    OcclusionConfig,
+)
 from labeling.replacement import check_spec
 from labeling.windows import DEFAULT_TAIL
 from models.registry import DEFAULT_MODEL
@@ -38,10 +44,11 @@ DEFAULT_SCORERS = ("epikv", "epikv_raw", "valuediff", "valuediff_norm", "keydiff
 AGREEMENT_REPLACEMENTS = ("auto", "space", "delete")
 # Forced-answer labels of short traces are cheap, so by default every labelled trace is relabelled (None = all).
 DEFAULT_AGREEMENT_TRACES: int | None = None
-# With a forced answer the answer follows the cue at once, so a short regeneration reads it; without one the model
-# may reason again before answering.
-FORCED_ANSWER_TOKENS = 64
-FREE_ANSWER_TOKENS = 512
+# The label kinds a study computes (`labeling.labeler.INTERVENTIONS`): token occlusion always (the labels the
+# selection ranks scorers against); cache-level and joint labels beside it when asked (docs/labels.md).
+DEFAULT_LABELS = ("token",)
+# Joint labels' budget when none is given and no study budget is a fraction: Random Attention's ~4x compression.
+DEFAULT_JOINT_BUDGET = 0.25
 DEFAULT_TOP = 2
 DEFAULT_PROTOCOL = "epikv"
 DEFAULT_PROTECT = "prompt"
@@ -103,11 +110,21 @@ class StudyConfig:
     window: int = 32
     stride: int = 16
     replacement: str = "auto"
-    max_answer_tokens: int | None = None  # None: FORCED_ANSWER_TOKENS with a forced answer, else 512
+    max_answer_tokens: int | None = None  # None: the labeller's cap for a forced or a free answer
     tail: int = DEFAULT_TAIL
     force_answer: bool = True  # the trace's answer cue after every occluded context (docs/labels.md)
     no_answer: str = DEFAULT_NO_ANSWER
+    stop_at_answer: bool = True  # a forced answer's regeneration ends where the answer does (graded labels)
+    generic_cue: bool = True  # a trace with no answer cue of its own gets a generic one
     agreement_traces: int | None = DEFAULT_AGREEMENT_TRACES  # None: every labelled trace
+    labels: tuple[str, ...] = DEFAULT_LABELS  # label kinds: token first, then cache and joint when asked
+    cache_heads: str = "all"  # cache labels: remove a window from every KV head at once, or each head on its own
+    joint_budget: float | None = None  # None: the smallest fractional --budget, else DEFAULT_JOINT_BUDGET
+    joint_draws: int | None = None  # None: labeling.joint.auto_draws
+    joint_draw: str = "shared"
+    joint_unit: int = 16
+    teacher_forced: bool = False  # teacher-forced eviction of every deployed configuration (evictor.teacher_forced)
+    teacher_block: int = 32
     # signals and selection
     scorers: tuple[str, ...] = DEFAULT_SCORERS
     signal_window: int = DEFAULT_WINDOW
@@ -151,7 +168,20 @@ class StudyConfig:
             if self.protect == "prompt":
                 raise UsageError(f"--protect prompt on {self.dataset} keeps the whole haystack, so nothing can be "
                                  "evicted; valid choices: sinks, none")
-        self.occlusion()  # window, stride, replacement, dtype
+        if not self.labels or self.labels[0] != "token" or len(set(self.labels)) != len(self.labels):
+            raise UsageError(f"--labels {','.join(self.labels)}: list token first (the labels selection ranks "
+                             "scorers against), then cache and/or joint, each once")
+        for kind in self.labels:
+            if kind not in INTERVENTIONS:
+                raise unknown_choice("label kind", kind, INTERVENTIONS)
+        if self.cache_heads not in HEADS:
+            raise unknown_choice("cache heads", self.cache_heads, HEADS)
+        if self.joint_draw not in DRAWS:
+            raise unknown_choice("joint draw", self.joint_draw, DRAWS)
+        if self.teacher_block < 1:
+            raise UsageError(f"--teacher-block must be a positive integer, got {self.teacher_block}")
+        for kind in self.labels:
+            self.occlusion(intervention=kind)  # window, stride, replacement, dtype; a kind's own settings
         check_spec(self.replacement)
         if self.protocol not in PROTOCOLS:
             raise unknown_choice("protocol", self.protocol, PROTOCOLS)
@@ -224,19 +254,24 @@ class StudyConfig:
         return self.scorers if self.deploy_scorers else ()
 
     @property
-    def answer_tokens(self) -> int:
-        """The regeneration cap per window: as given, else by whether the answer is forced."""
-        if self.max_answer_tokens is not None:
-            return self.max_answer_tokens
-        return FORCED_ANSWER_TOKENS if self.force_answer else FREE_ANSWER_TOKENS
+    def joint_share(self) -> float:
+        """The joint labels' budget: as given, else the study's smallest fractional budget (where eviction bites
+        most), else `DEFAULT_JOINT_BUDGET`."""
+        if self.joint_budget is not None:
+            return self.joint_budget
+        fractions = [float(b.amount) for b in self.budgets if b.tokens is None]
+        return min(fractions) if fractions else DEFAULT_JOINT_BUDGET
 
-    def occlusion(self, replacement: str | None = None) -> OcclusionConfig:
-        """The labelling settings (with another `replacement` for label agreement)."""
+    def occlusion(self, replacement: str | None = None, intervention: str = "token") -> OcclusionConfig:
+        """The labelling settings of one label kind (with another `replacement` for label agreement)."""
         return OcclusionConfig(window=self.window, stride=self.stride,
                                replacement=self.replacement if replacement is None else replacement,
-                               max_answer_tokens=self.answer_tokens, include_incorrect=self.include_incorrect,
+                               max_answer_tokens=self.max_answer_tokens, include_incorrect=self.include_incorrect,
                                tail=self.tail, dtype=self.dtype, force_answer=self.force_answer,
-                               no_answer=self.no_answer, engine=self.engine)
+                               stop_at_answer=self.stop_at_answer, generic_cue=self.generic_cue,
+                               no_answer=self.no_answer, engine=self.engine if intervention == "token" else "hf",
+                               intervention=intervention, heads=self.cache_heads, budget=self.joint_share,
+                               draws=self.joint_draws, draw=self.joint_draw, unit=self.joint_unit, seed=self.seed)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "budgets": [budget.to_json() for budget in self.budgets]}

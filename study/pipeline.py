@@ -35,7 +35,10 @@ from labeling.estimates import format_duration
 from study import stages
 from study.config import LONG_CONTEXT_LABELS, StudyConfig, is_known_answer, is_long_context
 
-STAGES = ("traces", "labels", "agreement", "signals", "selection", "known", "evictor", "compare")
+STAGES = ("traces", "labels", "cache_labels", "joint_labels", "agreement", "signals", "selection", "known", "forced",
+          "evictor", "compare")
+# The label kinds with a stage of their own beside token occlusion's (`StudyConfig.labels`).
+KIND_STAGES = {"cache": "cache_labels", "joint": "joint_labels"}
 MARKER = "stage.json"
 STAGE_DIR = "stages"
 IDENTITY = {"run": "kvscope study"}  # refuses an --out that holds another tool's run
@@ -121,15 +124,24 @@ def stage_settings(config: StudyConfig, problems) -> dict[str, dict[str, Any]]:
                     "protocol": config.protocol, "protect": config.protect, "evict_problems": config.evict_problems,
                     **config.protocol_overrides,
                     **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
+        **{stage: config.occlusion(intervention=kind).identity() if kind in config.labels else {}
+           for kind, stage in KIND_STAGES.items()},
         "known": {"level": config.level, "n_boot": config.n_boot, "seed": config.seed},
+        "forced": {"budgets": [budget.to_json() for budget in config.budgets], "protocol": config.protocol,
+                   "protect": config.protect, **config.protocol_overrides, "teacher_block": config.teacher_block,
+                   "seed": config.seed,
+                   **({"deployed_scorers": list(config.deployed_scorers)} if config.deploy_scorers else {})},
         "compare": {"n_boot": config.compare_n_boot, "level": config.level, "seed": config.seed,
                     "reference": stages.REFERENCE},
     }
 
 
-INPUTS = {"traces": (), "labels": ("traces",), "agreement": ("traces", "labels"), "signals": ("traces", "labels"),
-          "selection": ("labels", "signals", "agreement"), "known": ("traces", "labels", "signals"),
-          "evictor": ("traces", "selection", "known"), "compare": ("evictor",)}
+INPUTS = {"traces": (), "labels": ("traces",), "cache_labels": ("traces",), "joint_labels": ("traces",),
+          "agreement": ("traces", "labels"), "signals": ("traces", "labels"),
+          "selection": ("labels", "signals", "agreement"),
+          "known": ("traces", "labels", "signals", "cache_labels", "joint_labels"),
+          "forced": ("labels", "selection", "known"), "evictor": ("traces", "selection", "known"),
+          "compare": ("evictor",)}
 
 
 def estimate_seconds(name: str, config: StudyConfig, done: dict[str, StageRecord], n_problems: int,
@@ -261,9 +273,20 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
         study.run("traces", settings["traces"],
                   lambda d: stages.traces_stage(config, problems, d, paths, backend))
         stages.check_budgets_fit(config, problems, rec["traces"].outputs, paths)
+        long_context = is_long_context(config.dataset)
+        unlabellable = None if long_context else stages.labellable(config, rec["traces"].outputs, paths)
+        if unlabellable:
+            study.say(f"nothing to label: {unlabellable}; the labels, signals and selection stages will have nothing "
+                      "to work on, and the evictor runs only the baselines and the papers' default scorers")
         study.run("labels", settings["labels"],
                   lambda d: stages.labels_stage(config, rec["traces"].outputs, d, paths, backend),
-                  off=LONG_CONTEXT_LABELS if is_long_context(config.dataset) else None)
+                  off=LONG_CONTEXT_LABELS if long_context else None)
+        for kind, stage in KIND_STAGES.items():
+            study.run(stage, settings[stage],
+                      functools.partial(lambda d, k: stages.labels_stage(config, rec["traces"].outputs, d, paths,
+                                                                         backend, k), k=kind),
+                      off=LONG_CONTEXT_LABELS if long_context else None if kind in config.labels else
+                      f"--labels {','.join(config.labels)} does not ask for {kind} labels")
         labelled = rec["labels"].outputs.get("labelled", 0)
         off = ("--agreement-traces 0" if config.agreement_traces == 0 else
                None if labelled else "no labelled trace to relabel")
@@ -278,8 +301,13 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
                                                    rec["agreement"].outputs))
         study.run("known", settings["known"],
                   lambda d: stages.known_stage(config, rec["traces"].outputs, rec["labels"].outputs,
-                                               rec["signals"].outputs, paths),
+                                               rec["signals"].outputs, paths,
+                                               {kind: rec[stage].outputs for kind, stage in KIND_STAGES.items()}),
                   off=None if is_known_answer(config.dataset) else "not a known-answer task (tasks.known_answer)")
+        study.run("forced", settings["forced"],
+                  lambda d: stages.forced_stage(config, rec["labels"].outputs, rec["selection"].outputs,
+                                                rec["known"].outputs, d, paths),
+                  off=None if config.teacher_forced else "--teacher-forced not given")
         study.run("evictor", settings["evictor"],
                   lambda d: stages.evictor_stage(config, rec["traces"].outputs, rec["labels"].outputs,
                                                  rec["selection"].outputs, rec["known"].outputs, d, paths, backend,

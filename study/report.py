@@ -223,10 +223,16 @@ def settings_section(result) -> str:
                 ["labelled traces", "every trace (--include-incorrect)" if c.include_incorrect else
                  "correctly answered only (EpiKV)"],
                 ["occlusion", f"window {c.window}, stride {c.stride}, replacement {c.replacement}, answer "
-                              f"regenerated up to {c.answer_tokens} tokens"
+                              f"regenerated up to {c.occlusion().answer_cap} tokens"
                               + (" after the trace's own answer cue (forced answer)" if c.force_answer else
                                  f" from the answer boundary, tail {c.tail}")
-                              + f"; no-answer rule {c.no_answer}"],
+                              + f"; no-answer rule {c.no_answer}"
+                              + ("; graded (every window's effect on the reference answer's log-probability)"
+                                 if c.occlusion().graded else "")],
+                ["label kinds", ", ".join(c.labels)
+                 + (f"; cache-level: {c.cache_heads} KV heads" if "cache" in c.labels else "")
+                 + (f"; joint: budget {c.joint_share:g}, units of {c.joint_unit} tokens, {c.joint_draw} draws"
+                    if "joint" in c.labels else "")],
                 ["scorers replayed", ", ".join(c.scorers)],
                 ["per-layer signals", "g_l (raw, rolling mean and rolling z over "
                                       f"{c.signal_window}), key norm, attention received (h2o)"],
@@ -281,6 +287,7 @@ def labels_section(result) -> str:
                   f"Of the windows whose answer did not stay the same, {pct(share)} gave no answer at all"
                   + (f"; {unlabelled} of {unlabelled + labels.get('positions', 0)} positions are unlabelled under "
                      "the rule." if c.no_answer != "flip" else ".")]
+    lines += kinds_lines(result)
     agreement = result["agreement"]
     if result.stages["agreement"].status == "off":
         lines += ["", f"Label agreement: off ({agreement['reason']})."]
@@ -387,7 +394,7 @@ def eviction_section(result, accuracy: list[dict], figures: dict) -> str:
              fmt(r["mean_rounds"], 1), fmt(r["evicted"]), fmt(r["max_peak_slots"])] for r in accuracy]
     lines += ["", table(["configuration", "budget", "n", "accuracy", "95% Wilson", "no answer", "tokens", "rounds",
                          "evicted", "peak slots"], rows), "", figure_md(figures, "accuracy_budget")]
-    return "\n".join(lines)
+    return "\n".join(lines + forced_lines(result))
 
 
 def comparison_section(result, comparisons: list[dict], figures: dict) -> str:
@@ -511,6 +518,62 @@ def reproduce_section(result, summary: dict) -> str:
     return "\n".join(lines)
 
 
+KIND_TEXT = {"token": "token occlusion (the window's text replaced, the answer regenerated)",
+             "cache": "cache-level (the window's keys and values removed at the answer boundary)",
+             "joint": "joint (units of random keep-sets at the joint budget, datamodel coefficients)"}
+
+
+def label_kinds(result) -> dict[str, dict[str, Any]]:
+    """Each label kind the study computed, by kind: its stage's outputs (token occlusion's is the labels stage)."""
+    kinds = {"token": result["labels"]}
+    for kind, stage in (("cache", "cache_labels"), ("joint", "joint_labels")):
+        if stage in result.stages and result.stages[stage].status != "off":
+            kinds[kind] = result[stage]
+    return {kind: outputs for kind, outputs in kinds.items() if outputs.get("places")}
+
+
+def kinds_lines(result) -> list[str]:
+    """Where each label kind's important windows lie, in fifths of the reasoning span: is there ground truth before
+    the last fifth?"""
+    kinds = label_kinds(result)
+    if not kinds:
+        return []
+    places = [row["where"] for row in next(iter(kinds.values()))["places"]]
+    rows = []
+    for i, place in enumerate(places):
+        row = [place]
+        for outputs in kinds.values():
+            r = outputs["places"][i]
+            row += [f"{r['important']} / {r['windows']}", pct(r["share"]), fmt(r["mean_effect"], 3)]
+        rows.append(row)
+    header = ["where"] + [f"{kind} {column}" for kind in kinds for column in ("important", "share", "mean effect")]
+    c = result.config
+    joint = (f" Joint labels at a budget of {c.joint_share:g} of the trace, units of {c.joint_unit} tokens, "
+             f"{c.joint_draw} draws." if "joint" in kinds else "")
+    return ["", "### Where each label kind finds the windows the answer needs", "",
+            "Per label kind (" + "; ".join(f"{k}: {KIND_TEXT[k]}" for k in kinds) + "): the important windows in "
+            "each fifth of the reasoning span (by start; the window ending at the answer boundary on its own), their "
+            "share of all important windows, and the mean graded effect of the windows there (the change of the "
+            "reference answer's log-probability; for joint labels the gain from keeping the unit)." + joint, "",
+            table(header, rows)]
+
+
+def forced_lines(result) -> list[str]:
+    """Teacher-forced eviction beside deployment: each configuration's offline accuracy and effect."""
+    stage = result.stages.get("forced")
+    if stage is None or stage.status == "off" or not result["forced"].get("rows"):
+        return []
+    rows = [[r["config"], budget_text(r["budget"]), r["traces"], f"{pct(r['accuracy'])} [{pct(r['ci_lo'])}, "
+             f"{pct(r['ci_hi'])}]", f"{fmt(r['effect'])} [{fmt(r['effect_lo'])}, {fmt(r['effect_hi'])}]",
+             r["peak_slots"]] for r in result["forced"]["rows"]]
+    return ["", "### Teacher-forced eviction", "",
+            "Each configuration's eviction run on the labelled traces the model wrote, teacher-forced through the "
+            f"evicting decode path ({result.config.teacher_block} tokens per forward, a round after each), then the "
+            "reference answer forced (evictor.teacher_forced): the share whose answer greedy decoding still "
+            "reproduces (Wilson interval) and the mean change of its log-probability (bootstrap over traces).", "",
+            table(["configuration", "budget", "traces", "accuracy", "effect", "peak slots"], rows)]
+
+
 def known_line(result, comparisons: list[dict]) -> str:
     """The known-answer task's answer in a few sentences: label recall and precision, the scorer that finds the
     planted facts, and eviction by it against random."""
@@ -556,6 +619,14 @@ def known_section(result) -> str:
              f"{pct(labels['precision'])} [{pct(labels['precision_lo'])}, {pct(labels['precision_hi'])}]; decoy "
              f"windows that kept the answer {pct(labels['decoy_kept'])}, filler windows {pct(labels['filler_kept'])} "
              "(Wilson intervals over windows, which share their trace's context, so they are somewhat narrow)."]
+    if known.get("kinds"):
+        rows = [[kind, f"{pct(found['recall'])} [{pct(found['recall_lo'])}, {pct(found['recall_hi'])}]",
+                 f"{pct(found['precision'])} [{pct(found['precision_lo'])}, {pct(found['precision_hi'])}]",
+                 found["planted_windows"], found["decoy_windows"], found["filler_windows"]]
+                for kind, found in {"token": labels, **known["kinds"]}.items()]
+        lines += ["", "Each label kind against the planted facts (windows for token and cache-level labels, units for "
+                  "joint labels):", "",
+                  table(["label kind", "recall", "precision", "planted", "decoy", "filler"], rows)]
     if known["auc"]:
         rows = [[r["scorer"], fmt(r["auc_decoy"]), f"[{fmt(r['auc_decoy_lo'])}, {fmt(r['auc_decoy_hi'])}]",
                  fmt(r["auc_filler"]), f"[{fmt(r['auc_filler_lo'])}, {fmt(r['auc_filler_hi'])}]", r["traces"]]

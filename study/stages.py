@@ -178,12 +178,14 @@ def _generate(config: StudyConfig, problems, path: Path, backend: BackendConfig)
 
 
 # --- labels ---------------------------------------------------------------------------------------------------------
-def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths, backend: BackendConfig) -> Outputs:
-    """Occlusion labels of the dense traces (correct ones only unless --include-incorrect)."""
+def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths, backend: BackendConfig,
+                 kind: str = "token") -> Outputs:
+    """Labels of the dense traces (correct ones only unless --include-incorrect) of one kind (`labeling.labeler.
+    INTERVENTIONS`): token occlusion (the labels stage), cache-level or joint (their own stages)."""
     from labeling.job import NoAnswerCue, NothingLabelled, OcclusionJob, run_occlusion
     from labeling.labeler import select_traces
 
-    occlusion = config.occlusion()
+    occlusion = config.occlusion(intervention=kind)
     trace_file = traces_file(config, traces, paths)
     eligible = select_traces(read_traces(trace_file), occlusion)
     if not eligible:
@@ -201,11 +203,30 @@ def labels_stage(config: StudyConfig, traces: Outputs, path: Path, paths: Paths,
     except NoAnswerCue as err:
         return {"labels": None, "labelled": 0, "skipped": len(eligible), "eligible": len(eligible), "reason": str(err)}
     return {"labels": paths.rel(path / "labels.jsonl"), **label_counts(labels), "eligible": len(eligible),
-            "reason": reason}
+            "reason": reason, "kind": kind}
+
+
+def labellable(config: StudyConfig, traces: Outputs, paths: Paths) -> str | None:
+    """Why no trace of the study can be labelled (None when some can), from the traces and the tokenizer alone:
+    said right after the traces stage, before any other stage spends time."""
+    from labeling.labeler import OcclusionLabeler, select_traces
+    from models.loading import load_tokenizer
+    from tasks.generation import stop_token_ids
+
+    occlusion = config.occlusion()
+    eligible = select_traces(read_traces(traces_file(config, traces, paths)), occlusion)
+    if not eligible:
+        return (f"no correctly answered trace among {traces['n']} (rerun with --include-incorrect to label against "
+                "the model's own answers)")
+    tokenizer = load_tokenizer(config.model)
+    labeler = OcclusionLabeler(model=None, tokenizer=tokenizer, answer_of=str, same=str.__eq__,
+                               stop_ids=stop_token_ids(tokenizer), config=occlusion)
+    reasons = {plan.skip_reason for plan in map(labeler.plan, eligible)}
+    return None if None in reasons else "; ".join(sorted(str(r) for r in reasons))
 
 
 def label_counts(labels: list[Label]) -> Outputs:
-    from labeling.breakdown import no_answer_share, outcome_breakdown
+    from labeling.breakdown import effect_breakdown, no_answer_share, outcome_breakdown
 
     labelled = [label for label in labels if label.labelled]
     fractions = [label.important_fraction for label in labelled if label.important_fraction is not None]
@@ -219,7 +240,8 @@ def label_counts(labels: list[Label]) -> Outputs:
             # every labelled record has its answer boundary
             "unlabelled_positions": sum(label.answer_start - len(label.positions or []) for label in labelled
                                         if label.answer_start is not None),
-            "breakdown": breakdown, "no_answer_share": no_answer_share(breakdown)}
+            "breakdown": breakdown, "no_answer_share": no_answer_share(breakdown),
+            "places": effect_breakdown(labelled)}
 
 
 # --- label agreement ------------------------------------------------------------------------------------------------
@@ -440,18 +462,24 @@ def inconclusive(reason: str, n_traces: int, n_eff: int) -> Outputs:
 
 
 # --- known answers ---------------------------------------------------------------------------------------------------
-def known_stage(config: StudyConfig, traces: Outputs, labels: Outputs, signals: Outputs, paths: Paths) -> Outputs:
+def known_stage(config: StudyConfig, traces: Outputs, labels: Outputs, signals: Outputs, paths: Paths,
+                kinds: dict[str, Outputs] | None = None) -> Outputs:
     """On a known-answer task, the labels and the scorers checked against the planted facts
-    (`validation.known_answer`): the labeller's window-level recall and precision, and each replayed scorer's AUC
-    (its own aggregate score) for ranking the needed value's tokens above the decoys' and above the filler."""
+    (`validation.known_answer`): each label kind's window-level recall and precision (token occlusion under
+    ``labels``, the others under ``kinds``), and each replayed scorer's AUC (its own aggregate score) for ranking the
+    needed value's tokens above the decoys' and above the filler."""
     from validation.known_answer import fact_spans, finding_scorer, label_scores, scorer_auc
     from validation.signals import SignalSet, SignalTrace, read_signals
 
-    if labels.get("labels") is None:
-        return {"reason": labels.get("reason") or "no labels"}
+    if labels.get("labels") is None or not labels.get("labelled"):
+        return {"reason": labels.get("reason") or "no labelled trace"}
     spans = {t.id: fact_spans(t) for t in read_traces(traces_file(config, traces, paths))}
     scores = label_scores(read_records(paths.abs(labels["labels"]), Label), spans, config.level)
-    out: Outputs = {"labels": scores.to_json(), "auc": []}
+    out: Outputs = {"labels": scores.to_json(), "auc": [], "kinds": {}}
+    for kind, stage in (kinds or {}).items():
+        if stage.get("labels") and stage.get("labelled"):
+            kind_scores = label_scores(read_records(paths.abs(stage["labels"]), Label), spans, config.level)
+            out["kinds"][kind] = kind_scores.to_json()
     replay = next((f for f in signals.get("files", []) if f.endswith(REPLAY_FILE)), None)
     if replay is None:
         return out
@@ -469,6 +497,29 @@ def known_stage(config: StudyConfig, traces: Outputs, labels: Outputs, signals: 
     best = finding_scorer([row for row in out["auc"] if row["scorer"] != "random"])
     out["finding"] = best["scorer"] if best is not None else None
     return out
+
+
+# --- teacher-forced eviction ----------------------------------------------------------------------------------------
+def forced_stage(config: StudyConfig, labels: Outputs, selection: Outputs, known: Outputs, path: Path,
+                 paths: Paths) -> Outputs:
+    """Every configuration the evictor stage deploys, teacher-forced on the labelled traces at every budget and its
+    reference answer scored (`evictor.teacher_forced`): each configuration's offline accuracy and graded effect on
+    the traces the model wrote, beside what deploying it keeps."""
+    from evictor.teacher_forced import ForcedConfig, run_forced
+
+    if not labels.get("labels") or not labels.get("labelled"):
+        return {"rows": [], "reason": labels.get("reason") or "no labelled trace"}
+    rows = []
+    for name, configs in sweeps(config, selection, known).items():
+        forced = ForcedConfig(labels=str(paths.abs(labels["labels"])), model=config.model,
+                              policies=tuple(c["policy"] for c in configs.values()),
+                              policy_params={c["policy"]: c["params"] for c in configs.values()},
+                              budgets=config.budgets, protocol=config.protocol,
+                              protocol_settings=config.protocol_settings, teacher_block=config.teacher_block,
+                              seed=config.seed, dtype=config.dtype, device=config.device)
+        for row in run_forced(forced, path / name):
+            rows.append({"sweep": name, "config": config_label(name, row["policy"], configs), **row})
+    return {"rows": rows}
 
 
 # --- evictor --------------------------------------------------------------------------------------------------------

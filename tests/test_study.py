@@ -33,8 +33,10 @@ from study.__main__ import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCORERS = "epikv,valuediff,keydiff,h2o,recency,random"
-# The stages a study of a reasoning task runs; "known" runs on known-answer tasks only (off here).
-STAGES = tuple(name for name in pipeline.STAGES if name != "known")
+# The stages a study of a reasoning task runs by default; "known" runs on known-answer tasks only, the other label
+# kinds and teacher-forced eviction when asked (off here).
+OPTIONAL = ("known", "cache_labels", "joint_labels", "forced")
+STAGES = tuple(name for name in pipeline.STAGES if name not in OPTIONAL)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,8 @@ def test_the_study_writes_every_deliverable(study):
         assert heading in report
     assert set(stage_statuses(report).values()) == {"computed"}
     assert re.search(r"^\| known \| off \|", report, re.M) and "## The known answer" not in report
+    for name in ("cache_labels", "joint_labels", "forced"):
+        assert re.search(rf"^\| {name} \| off \|", report, re.M)
     for stem in ("scorer_ranking", "layer_rho", "signals_by_layer", "accuracy_budget", "difference_vs_random"):
         assert (study / "figures" / f"{stem}.png").stat().st_size > 0
         assert f"](figures/{stem}.png)" in report
@@ -495,7 +499,7 @@ def test_a_known_answer_study_opens_with_the_labels_against_the_planted_facts(ti
         assert main(["--model", str(tiny_dir), "--dataset", "known_facts@1", "--limit", "3", "--max-new-tokens", "4",
                      "--include-incorrect", "--budget", "0.5", "--stride", "32", "--agreement-traces", "1",
                      "--scorers", "recency,keydiff,random", "--n-boot", "50", "--compare-n-boot", "50", "--quiet",
-                     "--out", str(out)]) == 0
+                     "--no-stop-at-answer", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     assert report.index("## The known answer") < report.index("## Settings")
     assert re.search(r"^\*\*Answer\.\*\* Against the planted facts the labels have recall", report, re.M)
