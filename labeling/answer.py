@@ -21,7 +21,7 @@ context's: negative when the occlusion made the reference answer less likely.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,14 +32,19 @@ BOX_OPEN = "{"
 BOX_CLOSE = "}"
 
 
-def answer_end(text: str, box: bool) -> int | None:
+def answer_end(text: str, box: bool, opened: bool = True) -> int | None:
     """The index just past the end of the forced answer in continuation `text`, or None while it is open: the brace
-    closing the box the cue opened (`box`), else the end of the first line that holds non-space text."""
+    closing the box (`box`; `opened` when the cue already holds the box's opening brace, else the continuation's
+    first brace opens it, as when a tokenizer merges ``{(`` into one token), else the end of the first line that holds
+    non-space text."""
     if box:
-        depth = 1
+        depth, started = (1, True) if opened else (0, False)
         for index, char in enumerate(text):
+            if not started and not char.isspace() and char != BOX_OPEN:
+                return None  # a box the cue named but never opens: no answer in it
             depth += {BOX_OPEN: 1, BOX_CLOSE: -1}.get(char, 0)
-            if depth == 0:
+            started = started or char == BOX_OPEN
+            if started and depth == 0:
                 return index + 1
         return None
     started = False
@@ -50,13 +55,13 @@ def answer_end(text: str, box: bool) -> int | None:
     return None
 
 
-def forced_answer_text(text: str, box: bool) -> str | None:
+def forced_answer_text(text: str, box: bool, opened: bool = True) -> str | None:
     """What the forced answer says, from its continuation `text` alone (see the module docstring); None when it
     never completes, or completes empty."""
-    end = answer_end(text, box)
+    end = answer_end(text, box, opened)
     if end is None:
         return None
-    said = text[: end - 1] if box else text[:end]
+    said = (text[: end - 1] if opened else text[text.index(BOX_OPEN) + 1: end - 1]) if box else text[:end]
     return said.strip() or None
 
 
@@ -121,7 +126,3 @@ def _teacher_forced_scores(model, contexts: Sequence[Sequence[int]], references:
     return scores
 
 
-def completion_check(decode: Callable[[list[int]], str], box: bool) -> Callable[[list[int]], bool]:
-    """A predicate on a continuation's tokens: has its forced answer completed (`answer_end`)? Decodes the whole
-    continuation each time, which is cheap at the lengths a forced answer has."""
-    return lambda tokens: answer_end(decode(tokens), box) is not None

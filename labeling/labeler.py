@@ -306,9 +306,9 @@ class OcclusionLabeler:
         None when regeneration does not stop at the answer."""
         if not self.config.stops_at_answer:
             return None
-        boxes = [plan.cue is not None and plan.cue.box for plan in plans]
+        cues = [plan.cue for plan in plans]
         decode = self.tokenizer.decode
-        return lambda row, tokens: answer_end(decode(tokens, skip_special_tokens=True), boxes[row]) is not None
+        return lambda row, tokens: _answer_end(decode(tokens, skip_special_tokens=True), cues[row]) is not None
 
     def label_unit(self, unit: Unit, progress: Progress = None) -> list[Label]:
         """Labels of the unit's traces, in order; `progress(n)` as regenerations finish.
@@ -418,7 +418,7 @@ class OcclusionLabeler:
         if not self.config.stops_at_answer or plan.cue is None:
             return tokens
         for end in range(1, len(tokens) + 1):
-            if answer_end(self.tokenizer.decode(tokens[:end], skip_special_tokens=True), plan.cue.box) is not None:
+            if _answer_end(self.tokenizer.decode(tokens[:end], skip_special_tokens=True), plan.cue) is not None:
                 return tokens[:end]
         return tokens
 
@@ -442,7 +442,7 @@ class OcclusionLabeler:
             return None
         cut = self._cut(reference, plan)
         text = self.tokenizer.decode(cut, skip_special_tokens=True)
-        return cut if answer_end(text, plan.cue.box) is not None else None
+        return cut if _answer_end(text, plan.cue) is not None else None
 
     def _teacher_forced(self, contexts: Sequence[list[int]], reference: list[int],
                         plan: TracePlan) -> list[AnswerScore | None] | None:
@@ -458,7 +458,7 @@ class OcclusionLabeler:
         continuation together, as EpiKV reads a regenerated answer."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if self.config.stops_at_answer and plan.cue is not None:
-            said = forced_answer_text(text, plan.cue.box)
+            said = forced_answer_text(text, plan.cue.box, plan.cue.box_open)
             if said is None:
                 return None
             return self.answer_of(f"\\boxed{{{said}}}" if plan.cue.box else f"The answer is {said}")
@@ -546,6 +546,11 @@ class OcclusionLabeler:
         trace (at most `max_answer_tokens`), the length a greedy trace's own regeneration reproduces."""
         answer_span = len(trace.token_ids) - self.plan(trace).context_end
         return self.regenerations(trace) * min(max(1, answer_span), self.config.answer_cap)
+
+
+def _answer_end(text: str, cue: Cue | None) -> int | None:
+    """Where the forced answer after `cue` ends in continuation `text` (`labeling.answer.answer_end`)."""
+    return None if cue is None else answer_end(text, cue.box, cue.box_open)
 
 
 def label_traces(labeler: OcclusionLabeler, traces: Sequence[Trace], progress: Progress = None) -> list[Label]:

@@ -60,9 +60,16 @@ class Cue:
     box: bool = True
     ids: tuple[int, ...] | None = None  # a generic cue's own tokens (None: the trace's ``[answer_start, end)``)
 
+    @property
+    def box_open(self) -> bool:
+        """Whether the cue already opens the answer's box: a tokenizer may merge its brace into the answer's first
+        token (``{(``), leaving the cue at ``\\boxed``."""
+        marker = self.text.rfind(BOXED[:-1])
+        return self.box and "{" in (self.text[marker:] if marker >= 0 else self.text[-1:])
+
     def to_json(self) -> dict:
         data = {"start": self.boundary.answer_start, "end": self.end, "text": self.text, "kind": self.boundary.kind,
-                "box": self.box}
+                "box": self.box, "box_open": self.box_open}
         return {**data, "ids": list(self.ids)} if self.ids is not None else data
 
 

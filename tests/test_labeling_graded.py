@@ -34,6 +34,10 @@ def test_answer_end_counts_braces_from_the_forced_box_or_ends_the_first_line():
     assert forced_answer_text("}", box=True) is None  # an empty box states nothing
     assert forced_answer_text("7", box=True) is None
     assert forced_answer_text(" 18.\n", box=False) == "18."
+    # a tokenizer that merges the box's brace into the answer's first token ("{(") leaves the cue at "\\boxed"
+    assert answer_end("{(3, \\frac{1}{2})} \\]", box=True, opened=False) == 18
+    assert forced_answer_text(" {(3, \\frac{1}{2})} \\]", box=True, opened=False) == "(3, \\frac{1}{2})"
+    assert answer_end("{(3", box=True, opened=False) is None and answer_end("7}", box=True, opened=False) is None
 
 
 def test_score_answer_by_hand():
@@ -120,6 +124,14 @@ def test_rows_prefilled_together_equal_rows_prefilled_alone(tiny_llama):
     together = speculative_greedy(tiny_llama.model, *args, batch_size=len(rows))
     one_by_one = speculative_greedy(tiny_llama.model, *args, batch_size=1)
     assert together == one_by_one
+
+
+def test_a_cue_knows_whether_it_opened_the_box():
+    from labeling.windows import Boundary, Cue
+
+    assert Cue(Boundary(0, "boxed"), 3, "(\\boxed{").box_open
+    assert not Cue(Boundary(0, "boxed"), 3, " \\boxed").box_open
+    assert not Cue(Boundary(0, "phrase"), 3, "The answer is", box=False).box_open
 
 
 def test_generic_cue_follows_the_trace_text_without_its_stop_tokens(tiny_llama):
