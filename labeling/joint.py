@@ -14,10 +14,12 @@ prefilled once and each draw's pruned copy forces the cue and the reference answ
 (`labeling.pruned.PrunedContext`): ``y_m`` is the answer's teacher-forced log-probability, ``greedy_m`` whether
 greedy decoding would still give it.
 
-Each unit's label is its coefficient in the linear datamodel of ``y`` on the units' keep shares
-(`labeling.datamodel`, HC3 intervals): *effect* = the expected log-probability gained by keeping the unit at this
-budget; a unit is *important* when its interval lies above zero. Positions take their unit's label (the prompt is
-1). The share of draws whose greedy answer is still the reference is an offline estimate of what random eviction at
+Each unit's label comes from its coefficient in the linear datamodel of ``y`` on the units' keep shares
+(`labeling.datamodel`, HC3 intervals), the expected log-probability gained by keeping the unit at this budget
+(``coef``, with ``coef_lo`` / ``coef_hi``). Its *effect*, as every label kind writes it, is the change of the
+answer's log-probability when the unit is taken away: ``effect = -coef`` (negative when the answer needs it, with
+``effect_lo = -coef_hi``, ``effect_hi = -coef_lo``); a unit is *important* when its effect's interval lies below zero.
+Positions take their unit's label (the prompt is 1). The share of draws whose greedy answer is still the reference is an offline estimate of what random eviction at
 this budget keeps, at the answer boundary.
 
 How M is chosen and checked: by default ``M = max(MIN_DRAWS, DRAWS_PER_UNIT * U)`` (`auto_draws`), enough for a
@@ -106,9 +108,10 @@ def _label_trace(labeler: OcclusionLabeler, trace, progress: Progress) -> Label:
     fit = fit_datamodel(chosen.mean(axis=1), y)
     windows: list[dict[str, Any]] = []
     for u, (start, end) in enumerate(units):
-        windows.append({"start": start, "end": end, "effect": round(float(fit.coef[u]), 6),
-                        "effect_lo": round(float(fit.lo[u]), 6), "effect_hi": round(float(fit.hi[u]), 6),
-                        "se": round(float(fit.se[u]), 6), "flipped": bool(fit.lo[u] > 0)})
+        coef, lo, hi = (round(float(v[u]), 6) for v in (fit.coef, fit.lo, fit.hi))
+        windows.append({"start": start, "end": end, "coef": coef, "coef_lo": lo, "coef_hi": hi,
+                        "se": round(float(fit.se[u]), 6), "effect": -coef, "effect_lo": -hi, "effect_hi": -lo,
+                        "flipped": bool(lo > 0)})
     labels = dict.fromkeys(range(reasoning_start), 1)
     for (start, end), window in zip(units, windows):
         labels.update(dict.fromkeys(range(start, end), int(window["flipped"])))

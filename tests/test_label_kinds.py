@@ -164,7 +164,8 @@ def test_joint_labels_on_smollm2_recompute_from_their_records(smollm2):
         for head in draw["kept"]:
             z[m, head] += 1 / len(draw["kept"])
     refit = fit_datamodel(z, np.array([draw["logp"] for draw in joint["records"]]))
-    assert np.allclose(refit.coef, [w["effect"] for w in label.windows], atol=1e-4)
+    assert np.allclose(refit.coef, [w["coef"] for w in label.windows], atol=1e-4)
+    assert all(w["effect"] == -w["coef"] and w["effect_hi"] == -w["coef_lo"] for w in label.windows)
     assert [bool(lo > 0) for lo in refit.lo] == [w["flipped"] for w in label.windows]
     positions = dict(zip(label.positions, label.labels))
     assert all(positions[p] == int(w["flipped"]) for w in label.windows for p in range(w["start"], w["end"]))
