@@ -178,6 +178,32 @@ def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, traces, capsys, ex
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--intervention", "prune"], "invalid choice: 'prune'"),
+    (["--intervention", "joint", "--budget", "0"], "budget 0.0 is not a share of the trace in (0, 1]"),
+    (["--intervention", "joint", "--budget", "1.5"], "budget 1.5 is not a share of the trace in (0, 1]"),
+    (["--intervention", "joint", "--draws", "0"], "--draws"),
+    (["--intervention", "joint", "--window", "400"], "larger than every trace"),
+    (["--intervention", "cache", "--no-force-answer"], "forces the answer from a pruned cache"),
+    (["--intervention", "cache", "--method", "naive"], "runs on kvscope's own cache"),
+])
+def test_label_kinds_refuse_what_cannot_run_in_one_line(tmp_path, traces, capsys, extra, message):
+    out = tmp_path / "never"
+    assert main(["--traces", str(traces), "--out", str(out), "--window", "8", "--stride", "4", *extra]) == 2
+    last = _last_error(capsys)
+    assert "error:" in last and message in last
+    assert not out.exists()
+
+
+def test_graded_labels_of_traces_without_a_cue_need_the_generic_cue(tmp_path, traces, capsys):
+    rows = [{**r, "generated_ids": r["generated_ids"][:12]} for r in _records(traces)]  # no box, no phrase
+    uncued = _write(tmp_path / "uncued.jsonl", rows)
+    out = tmp_path / "never"
+    assert main(["--traces", str(uncued), "--out", str(out), "--window", "4", "--stride", "4",
+                 "--no-generic-cue"]) == 2
+    assert "has an answer cue" in _last_error(capsys) and not out.exists()
+
+
 def test_out_that_is_a_file_or_below_a_file(tmp_path, traces, capsys):
     file = tmp_path / "file"
     file.write_text("keep me")
