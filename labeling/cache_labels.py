@@ -21,23 +21,24 @@ the answer.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from core.schemas import Label
 from labeling.pruned import PrunedContext
 
-if TYPE_CHECKING:
-    from labeling.labeler import OcclusionLabeler, Progress, TracePlan, Unit
+# The labeller (`labeling.labeler.OcclusionLabeler`) calls this module for its intervention, so its types are not
+# imported here (that would close an import cycle): `labeler` is an OcclusionLabeler, `unit` a Unit, `plan` a
+# TracePlan, `progress` a callable taking a count.
 
 
-def label_cache(labeler: OcclusionLabeler, unit: Unit, progress: Progress = None) -> list[Label]:
+def label_cache(labeler: Any, unit: Any, progress: Any = None) -> list[Label]:
     """Cache-level labels of the unit's traces, in order (see the module docstring)."""
     return [_label_trace(labeler, trace, progress) for trace in unit.traces]
 
 
-def reference_answer(labeler: OcclusionLabeler, plan: TracePlan,
+def reference_answer(labeler: Any, plan: Any,
                      context: PrunedContext) -> tuple[list[int], list[int] | None]:
     """The greedy forced answer after the cue from the whole dense cache (the reference), and its answer tokens
     (None when it never completes)."""
@@ -48,7 +49,7 @@ def reference_answer(labeler: OcclusionLabeler, plan: TracePlan,
     return tokens, labeler._answer_ids(tokens, plan)
 
 
-def skipped_record(labeler: OcclusionLabeler, trace, plan: TracePlan, intervention: str,
+def skipped_record(labeler: Any, trace, plan: Any, intervention: str,
                    reason: str | None) -> dict[str, Any]:
     """The fields every label record of `trace` starts from (a skipped one when `reason` is given)."""
     record = {"n_tokens": len(trace.token_ids), "reasoning_start": len(trace.prompt_ids),
@@ -58,14 +59,14 @@ def skipped_record(labeler: OcclusionLabeler, trace, plan: TracePlan, interventi
     return {**record, "status": "skipped", "reason": reason} if reason else record
 
 
-def as_label(labeler: OcclusionLabeler, trace, record: dict[str, Any]) -> Label:
+def as_label(labeler: Any, trace, record: dict[str, Any]) -> Label:
     assert labeler.replacement is not None  # resolved when the labeler is made
     return Label(id=trace.id, dataset=trace.dataset, model=trace.model, correct=trace.correct,
                  trace_answer=trace.answer, gold=trace.gold, replacement=None,
                  extra={"trace_policy": trace.policy} if trace.evicted else {}, **record)
 
 
-def _label_trace(labeler: OcclusionLabeler, trace, progress: Progress) -> Label:
+def _label_trace(labeler: Any, trace, progress: Any) -> Label:
     config = labeler.config
     plan = labeler.plan(trace)
     if not plan.windows:

@@ -19,8 +19,8 @@ Each unit's label comes from its coefficient in the linear datamodel of ``y`` on
 (``coef``, with ``coef_lo`` / ``coef_hi``). Its *effect*, as every label kind writes it, is the change of the
 answer's log-probability when the unit is taken away: ``effect = -coef`` (negative when the answer needs it, with
 ``effect_lo = -coef_hi``, ``effect_hi = -coef_lo``); a unit is *important* when its effect's interval lies below zero.
-Positions take their unit's label (the prompt is 1). The share of draws whose greedy answer is still the reference is an offline estimate of what random eviction at
-this budget keeps, at the answer boundary.
+Positions take their unit's label (the prompt is 1). The share of draws whose greedy answer is still the reference
+is an offline estimate of what random eviction at this budget keeps, at the answer boundary.
 
 How M is chosen and checked: by default ``M = max(MIN_DRAWS, DRAWS_PER_UNIT * U)`` (`auto_draws`), enough for a
 least-squares fit of U coefficients with room for intervals; the record states M and the split-half reliability of
@@ -31,7 +31,7 @@ fit can be recomputed from the records alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,14 +41,15 @@ from core.seeds import derive_seed
 from labeling.cache_labels import as_label, reference_answer, skipped_record
 from labeling.pruned import PrunedContext
 
-if TYPE_CHECKING:
-    from labeling.labeler import OcclusionConfig, OcclusionLabeler, Progress, TracePlan, Unit
+# The labeller (`labeling.labeler.OcclusionLabeler`) calls this module for its intervention, so its types are not
+# imported here (that would close an import cycle): `labeler` is an OcclusionLabeler, `unit` a Unit, `plan` a
+# TracePlan, `config` an OcclusionConfig, `progress` a callable taking a count.
 
 MIN_DRAWS = 128
 DRAWS_PER_UNIT = 8
 
 
-def trace_units(plan: TracePlan, reasoning_start: int, unit: int) -> list[tuple[int, int]]:
+def trace_units(plan: Any, reasoning_start: int, unit: int) -> list[tuple[int, int]]:
     """The reasoning span cut into consecutive ``[start, end)`` units of `unit` tokens (the last may be shorter)."""
     answer_start = plan.boundary.answer_start
     return [(start, min(start + unit, answer_start)) for start in range(reasoning_start, answer_start, unit)]
@@ -58,7 +59,7 @@ def auto_draws(units: int) -> int:
     return max(MIN_DRAWS, DRAWS_PER_UNIT * units)
 
 
-def draws_for(config: OcclusionConfig, units: int) -> int:
+def draws_for(config: Any, units: int) -> int:
     return config.draws if config.draws is not None else auto_draws(units)
 
 
@@ -68,12 +69,12 @@ def draw_keep_sets(rng: np.random.Generator, draws: int, heads: int, units: int,
     return rng.random((draws, heads, units)) < budget
 
 
-def label_joint(labeler: OcclusionLabeler, unit: Unit, progress: Progress = None) -> list[Label]:
+def label_joint(labeler: Any, unit: Any, progress: Any = None) -> list[Label]:
     """Joint labels of the unit's traces, in order (see the module docstring)."""
     return [_label_trace(labeler, trace, progress) for trace in unit.traces]
 
 
-def _label_trace(labeler: OcclusionLabeler, trace, progress: Progress) -> Label:
+def _label_trace(labeler: Any, trace, progress: Any) -> Label:
     from labeling.datamodel import fit_datamodel
 
     config = labeler.config
