@@ -11,8 +11,9 @@ Where the problems come from, first match wins:
 RULER datasets (``ruler_niah_single``, ``ruler_vt@4k``, ...; `tasks.ruler`) are generated from a seed instead of
 read (``data_file`` still overrides); their length is counted with the tokenizer passed to `load_problems` (default:
 the default model's), and without a `limit` there are `tasks.ruler.DEFAULT_COUNT` of them. Known-answer datasets
-(``known_facts``, ``known_facts@3``; `tasks.known_answer`) are generated too, independently of any tokenizer, with
-`tasks.known_answer.DEFAULT_COUNT` problems without a `limit`. A file with no problems is a `UsageError` naming it.
+(``known_facts``, ``known_facts@3``, ``known_facts@2+first+twohop+7500``; `tasks.known_answer.parse_name` reads the
+name) are generated too, independently of any tokenizer, with `tasks.known_answer.DEFAULT_COUNT` problems without a
+`limit`. A file with no problems is a `UsageError` naming it.
 
 GSM8K answers are full solutions ending in ``#### <number>``; the gold is the number after the marker.
 
@@ -133,7 +134,7 @@ def resolve_source(name: str, data_file: str | os.PathLike | None = None, tokeni
 
 def check_dataset(name: str) -> None:
     """Refuse an unknown dataset name (a benchmark, a RULER task with an optional ``@<tokens>`` length, or a
-    known-answer task with an optional ``@<decoys>``)."""
+    known-answer task with an optional ``@<decoys>`` and ``+<trait>`` each)."""
     _ruler_config(name)
 
 

@@ -32,6 +32,7 @@ from tasks.known_answer import (
 from tasks.problem import Problem
 from validation.known_answer import (
     FactSpans,
+    Note,
     fact_spans,
     label_scores,
     scorer_auc,
@@ -198,8 +199,8 @@ def test_smollm2_tokens_and_forced_answer(smollm2):
 
 
 # --- validation.known_answer -----------------------------------------------------------------------------------------
-SPANS = FactSpans(needed=[{"note": (40, 50), "key": (43, 45), "value": (46, 50)}],
-                  decoys=[{"note": (100, 110), "key": (103, 105), "value": (106, 110)}], reasoning=(0, 150))
+SPANS = FactSpans(needed=[Note((40, 50), (43, 45), (46, 50))], decoys=[Note((100, 110), (103, 105), (106, 110))],
+                  reasoning=(0, 150))
 
 
 def test_window_classes():
@@ -227,8 +228,8 @@ def test_label_scores_by_hand():
     # planted: a(30,62)+ a(46,78)+ b(30,62)- -> 2 of 3; key: a(14,46)+; decoy: a(90,122)- b(94,126)+;
     # filler: a(118,150)+ a(0,32)- b(0,32)-; b(60,92) excluded; flush: a(118,150)+.
     assert scores.traces == 2 and scores.excluded == 1
-    assert scores.windows == {"planted": 3, "key": 1, "decoy": 2, "filler": 3, "flush": 1}
-    assert scores.flipped == {"planted": 2, "key": 1, "decoy": 1, "filler": 1, "flush": 1}
+    assert scores.windows == {"planted": 3, "key": 1, "decoy_key": 0, "decoy": 2, "filler": 3, "flush": 1}
+    assert scores.flipped == {"planted": 2, "key": 1, "decoy_key": 0, "decoy": 1, "filler": 1, "flush": 1}
     assert scores.recall.value == pytest.approx(2 / 3)
     assert scores.recall.interval == wilson_interval(2, 3)
     assert scores.precision.value == pytest.approx(2 / 4)  # the key flip counts neither way
@@ -252,7 +253,7 @@ def test_fact_spans_reads_a_trace_and_refuses_others():
     problem = load_problems("known_facts@1", limit=1)[0]
     trace = problem_trace(problem, TOKENIZER, "tiny")
     spans = fact_spans(trace)
-    assert spans.needed[0]["value"] == tuple(trace.extra[META]["needed"][0]["value"])
+    assert spans.needed[0].value == tuple(trace.extra[META]["needed"][0]["value"])
     assert len(spans.decoys) == 1
     assert spans.reasoning == (len(trace.prompt_ids), trace.extra[META]["answer_start"])
     trace.extra = {}
@@ -276,8 +277,8 @@ def test_scorer_auc_means_over_traces_with_a_bootstrap():
     recency = positions.astype(float)  # needed before the decoy: AUC 0
     flat = np.zeros(150)  # all ties: 0.5
     trace_a = SignalTrace("a", positions, np.column_stack([recency, flat]))
-    late = FactSpans(needed=[{"note": (100, 110), "key": (103, 105), "value": (106, 110)}],
-                     decoys=[{"note": (40, 50), "key": (43, 45), "value": (46, 50)}], reasoning=(0, 150))
+    late = FactSpans(needed=[Note((100, 110), (103, 105), (106, 110))], decoys=[Note((40, 50), (43, 45), (46, 50))],
+                     reasoning=(0, 150))
     trace_b = SignalTrace("b", positions, np.column_stack([recency, flat]))
     stray = SignalTrace("z", positions, np.column_stack([recency, flat]))  # no spans: left out
     signals = SignalSet(["recency", "flat"], [trace_a, trace_b, stray])

@@ -28,7 +28,8 @@ def _write_jsonl(path, records):
 
 def test_dataset_names():
     assert DATASETS == ("math500", "aime24", "gsm8k", "ruler_niah_single", "ruler_niah_multikey",
-                        "ruler_niah_multivalue", "ruler_vt", "ruler_cwe", "known_facts")
+                        "ruler_niah_multivalue", "ruler_vt", "ruler_cwe", "known_facts", "known_facts+first",
+                        "known_facts+twice", "known_facts+twohop", "known_facts+2k")
 
 
 @pytest.mark.parametrize("name, count", [("math500", 500), ("aime24", 30), ("gsm8k", 1319)])

@@ -1,42 +1,58 @@
 """Occlusion labels and scorers checked against a known answer: the facts of a constructed trace (`tasks.known_answer`).
 
 A known-answer trace says where its facts are (``Trace.extra["known_answer"]``, absolute token positions
-``[start, end)``): the *needed* note, whose value the answer copies and which appears nowhere else in the context, and
-*decoy* notes of the same form that the answer does not depend on. Everything here is a pure function of those spans,
-the labeller's windows (`core.schemas.Label`) and per-token scores (`validation.signals.SignalSet`).
+``[start, end)``): the *needed* notes, whose values the answer depends on and which appear nowhere else in the context,
+and *decoy* notes of the same form that the answer does not depend on. A needed note has a ``hop`` (1, or 2 for the
+box note of a two-hop task, whose hop-1 note's value is the box) and a ``copy`` (2 for the second statement of a
+needed note stated twice); a decoy has the hop of the needed note it imitates. Everything here is a pure function of
+those spans, a labeller's windows and per-token scores (`validation.signals.SignalSet`), and holds for any label kind
+whose records are `core.schemas.Label` with ``windows`` of ``{"start", "end", "flipped", ...}``, ``flipped`` True
+(the window matters), False (it does not) or None (no evidence).
 
 **Window classes** (`window_class`, first match wins):
 
-==========  ===========================================================================================================
-``planted`` the window overlaps a token of a needed note's *value*: its digits exist nowhere else in the occluded
-            context (the prompt never states them; the copy in the answer statement lies after the answer boundary),
-            so by construction the answer cannot survive it
-``key``     the window overlaps the rest of a needed note (the name it belongs to, "The code for", "is") but not its
-            value: a model that looks the value up by name needs these tokens, one that copies the latest note's value
-            (SmolLM2-135M often does) does not, so the task does not say whether the answer depends on them; they count
-            as neither positive nor negative and are reported on their own
-``decoy``   the window overlaps a decoy note: same form, not needed
-``filler``  anything else: the digit-free filler sentences (the answer statement lies after the boundary, untested)
-==========  ===========================================================================================================
+==============  =======================================================================================================
+``planted``     the window overlaps a token of a needed note's *value*: by construction the answer cannot be derived
+                without it (the code exists nowhere else in the occluded context: the prompt never states it and the
+                copy in the answer statement lies after the answer boundary; a two-hop link's box can then only be
+                guessed among the boxes no note assigns); where the value is stated twice, only occluding both copies
+                removes it, so a single-window labeller is not expected to flip either
+``key``         the window overlaps the rest of a needed note (the name it belongs to, "The code for", "is") but not its
+                value: a model that looks the value up by name needs these tokens, one that copies the latest note's
+                value (SmolLM2-135M often does) does not, so the task does not say whether the answer depends on them;
+                they count as neither positive nor negative and are reported on their own
+``decoy_key``   the window overlaps a decoy's key but not its value, and the decoy follows a needed note of its hop
+                (the needed-first layout): a model that looks the name up may need the decoy's name to rule the decoy
+                out (without it, "The code for ___ is 7305" after the needed note may read as the asked person's),
+                so these too are neither positive nor negative, reported on their own
+``decoy``       the window overlaps a decoy note otherwise: same form, not needed
+``filler``      anything else: the digit-free filler sentences (the answer statement lies after the boundary, untested)
+==============  =======================================================================================================
 
 **Label precision and recall** (`label_scores`): over the windows of every labelled trace, recall = flipped planted
 windows / planted windows, precision = flipped planted windows / flipped planted, decoy and filler windows; each with
 a Wilson interval (`validation.stats.wilson_interval`), which treats windows as independent (they are not quite:
 windows of one trace share its context, so the intervals are somewhat narrow). The share of decoy and filler windows
-that kept the answer is the specificity per class. A window whose ``flipped`` is None (a labeller that leaves an
-outcome out of its label rule, as the exclude and own-class rules leave out a window after which no answer came
-back) is counted as ``excluded`` and used nowhere else. Windows flush with the answer
-boundary (``end == answer_start``), where a filler block right before the answer may make the model print filler,
-are counted separately as well (``flush``), whatever their class.
+that kept the answer is the specificity per class. Recall is also split by the needed note a planted window
+overlaps: per hop (``hop1``, ``hop2``) and per copy (``copy1``, ``copy2``: a window over the first statement of the
+value and one over the second are scored apart), and the decoy windows per hop; precision is not split, since a
+flipped filler window belongs to no hop or copy. ``found_all`` is the share of traces in which *every* needed note has
+a flipped planted window ("both copies found", "both hops found"), over the traces where every needed note has a
+planted window with evidence. A window whose ``flipped`` is None (a labeller that leaves an outcome out of its label
+rule, as the exclude and own-class rules leave out a window after which no answer came back) is counted as
+``excluded`` and used nowhere else. Windows flush with the answer boundary (``end == answer_start``), where a filler
+block right before the answer may make the model print filler, are counted separately as well (``flush``), whatever
+their class.
 
 **Scorer AUC** (`scorer_auc`): per trace, the probability that a needed-fact token scores above a decoy-fact token
 (the Mann-Whitney AUC, ties count one half; higher score = keep), over the tokens of one part of the notes (``value``
 by default, the tokens needed by construction; ``key`` or ``note``), or above a filler token of the reasoning span
-(``against="filler"``); non-finite scores are left out, and a trace with nothing on either side has no AUC. The AUC of
-a scorer is the mean over traces, with a percentile bootstrap over traces (`validation.stats.bootstrap_means`). 0.5
-is chance. In ``known_facts`` every decoy precedes the needed note (`tasks.known_answer` says why), so a score that
-grows with position has AUC 1 against the decoys on every trace; against the filler, most of which follows the
-needed note, it has not.
+(``against="filler"``); with `hop` given, only the needed and decoy notes of that hop. Non-finite scores are left out,
+and a trace with nothing on either side has no AUC. The AUC of a scorer is the mean over traces, with a percentile
+bootstrap over traces (`validation.stats.bootstrap_means`). 0.5 is chance. Where every decoy precedes the needed
+notes (the default layout, `tasks.known_answer` says why), a score that grows with position has AUC 1 against the
+decoys on every trace, and against the filler, most of which follows the needed note, it has not; where the needed
+notes come first, the same score has AUC 0 against the decoys.
 """
 
 from __future__ import annotations
@@ -51,34 +67,57 @@ import numpy as np
 from core.errors import UsageError, unknown_choice
 from core.schemas import Label, Trace
 from labeling.windows import DEGENERATE, NO_ANSWER
-from tasks.known_answer import META
+from tasks.known_answer import MAX_COPIES, MAX_HOPS, META, SPAN_PARTS
 from validation.signals import SignalSet
 from validation.stats import DEFAULT_N_BOOT, bootstrap_means, percentile_interval, wilson_interval
 
-CLASSES = ("planted", "key", "decoy", "filler")
-PARTS = ("value", "key", "note")
+CLASSES = ("planted", "key", "decoy_key", "decoy", "filler")
+# The per-note groups of `LabelScores.to_json`: name, window class, hop, copy (None: any).
+GROUPS = ([(f"hop{hop}", "planted", hop, None) for hop in range(1, MAX_HOPS + 1)]
+          + [(f"copy{copy}", "planted", None, copy) for copy in range(1, MAX_COPIES + 1)]
+          + [(f"decoy_hop{hop}", "decoy", hop, None) for hop in range(1, MAX_HOPS + 1)])
+PARTS = SPAN_PARTS
 AGAINST = ("decoy", "filler")
 Span = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class FactSpans:
-    """Where a known-answer trace's facts are: per note, its parts (``note``, ``key``, ``value``) as absolute
-    ``[start, end)`` token positions."""
+class Note:
+    """One note of a known-answer trace: its parts as absolute ``[start, end)`` token positions, its hop and, for a
+    needed note stated twice, which statement it is."""
 
-    needed: list[dict[str, Span]]
-    decoys: list[dict[str, Span]]
+    note: Span
+    key: Span
+    value: Span
+    hop: int = 1
+    copy: int = 1
+
+    def part(self, name: str) -> Span:
+        return {"note": self.note, "key": self.key, "value": self.value}[name]
+
+
+@dataclass(frozen=True)
+class FactSpans:
+    """Where a known-answer trace's facts are: its needed and its decoy notes, and the reasoning span."""
+
+    needed: list[Note]
+    decoys: list[Note]
     reasoning: Span  # [reasoning start, answer boundary): what occlusion slides over
 
 
 def fact_spans(trace: Trace) -> FactSpans:
-    """The fact spans of a trace made by `tasks.known_answer.problem_trace`; a `UsageError` for any other trace."""
+    """The fact spans of a trace made by `tasks.known_answer.problem_trace` (a note without ``hop`` or ``copy`` is hop
+    1, copy 1, as in every trace made before those existed); a `UsageError` for any other trace."""
     info = trace.extra.get(META)
     if not isinstance(info, dict) or "needed" not in info or "decoys" not in info:
         raise UsageError(f"trace {trace.id!r} is not a known-answer trace (no extra[{META!r}] with its fact spans)")
 
-    def notes(items: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, Span]]:
-        return [{part: (int(span[0]), int(span[1])) for part, span in note.items()} for note in items]
+    def notes(items: Sequence[Mapping[str, Any]]) -> list[Note]:
+        def span(note: Mapping[str, Any], part: str) -> Span:
+            return int(note[part][0]), int(note[part][1])
+
+        return [Note(span(note, "note"), span(note, "key"), span(note, "value"), int(note.get("hop", 1)),
+                     int(note.get("copy", 1))) for note in items]
 
     return FactSpans(notes(info["needed"]), notes(info["decoys"]), (len(trace.prompt_ids), int(info["answer_start"])))
 
@@ -87,15 +126,26 @@ def _overlaps(start: int, end: int, span: Span) -> bool:
     return start < span[1] and end > span[0]
 
 
+def classify(start: int, end: int, spans: FactSpans) -> tuple[str, Note | None]:
+    """The class of window ``[start, end)`` (see the module docstring) and the note that decides it (None for
+    filler)."""
+    for cls, notes, part in (("planted", spans.needed, "value"), ("key", spans.needed, "note")):
+        for note in notes:
+            if _overlaps(start, end, note.part(part)):
+                return cls, note
+    for note in spans.decoys:
+        if (_overlaps(start, end, note.key) and not _overlaps(start, end, note.value)
+                and any(n.hop == note.hop and n.note[0] < note.note[0] for n in spans.needed)):
+            return "decoy_key", note
+    for note in spans.decoys:
+        if _overlaps(start, end, note.note):
+            return "decoy", note
+    return "filler", None
+
+
 def window_class(start: int, end: int, spans: FactSpans) -> str:
-    """The class of window ``[start, end)`` (see the module docstring): planted, key, decoy or filler."""
-    if any(_overlaps(start, end, note["value"]) for note in spans.needed):
-        return "planted"
-    if any(_overlaps(start, end, note["note"]) for note in spans.needed):
-        return "key"
-    if any(_overlaps(start, end, note["note"]) for note in spans.decoys):
-        return "decoy"
-    return "filler"
+    """The class of window ``[start, end)``: planted, key, decoy_key, decoy or filler."""
+    return classify(start, end, spans)[0]
 
 
 @dataclass(frozen=True)
@@ -118,13 +168,16 @@ class Rate:
 @dataclass(frozen=True)
 class LabelScores:
     """How a labeller's flips match the planted windows: per class (and for the flush windows) how many windows there
-    were and how many flipped, with recall, precision and specificity as `Rate`s."""
+    were and how many flipped; per note ((class, hop, copy) for the planted and the decoy windows) the same; and in
+    how many traces every needed note was found. Recall, precision and specificity come as `Rate`s."""
 
     traces: int
     windows: dict[str, int]
     flipped: dict[str, int]
     excluded: int
     level: float = 0.95
+    by_note: dict[tuple[str, int, int], tuple[int, int]] = field(default_factory=dict)
+    found_all: tuple[int, int] = (0, 0)  # traces with every needed note found, traces where each had evidence
 
     @property
     def recall(self) -> Rate:
@@ -139,15 +192,37 @@ class LabelScores:
         """The share of `cls` windows whose answer did not change."""
         return Rate(self.windows[cls] - self.flipped[cls], self.windows[cls], self.level)
 
+    def flip_rate(self, cls: str, hop: int | None = None, copy: int | None = None) -> Rate:
+        """The share of `cls` windows (planted or decoy) over the notes of `hop` and `copy` (None: any) that flipped:
+        for the planted windows, the recall of that hop or copy."""
+        counts = [c for (kind, h, k), c in self.by_note.items()
+                  if kind == cls and hop in (None, h) and copy in (None, k)]
+        return Rate(sum(f for _, f in counts), sum(w for w, _ in counts), self.level)
+
+    @property
+    def every_note_found(self) -> Rate:
+        return Rate(*self.found_all, self.level)
+
     def to_json(self) -> dict[str, Any]:
-        """A flat row: counts per class, then each rate with ``<name>_lo`` / ``<name>_hi``."""
+        """A flat row: counts per class, then the planted windows' counts per hop and per copy and the decoy windows'
+        per hop, then each rate with ``<name>_lo`` / ``<name>_hi`` (recall, precision, the kept shares, recall per
+        hop and per copy, ``found_all`` with ``found_all_traces``); the same columns whatever the traces hold (a hop
+        or copy that no trace has: 0 windows, NaN recall)."""
         row: dict[str, Any] = {"traces": self.traces, "excluded": self.excluded}
         for cls in (*CLASSES, "flush"):
             row[f"{cls}_windows"], row[f"{cls}_flipped"] = self.windows[cls], self.flipped[cls]
-        for name, rate in (("recall", self.recall), ("precision", self.precision),
-                           ("decoy_kept", self.kept("decoy")), ("filler_kept", self.kept("filler"))):
+        rates = [("recall", self.recall), ("precision", self.precision), ("decoy_kept", self.kept("decoy")),
+                 ("filler_kept", self.kept("filler"))]
+        for group, cls, hop, copy in GROUPS:
+            rate = self.flip_rate(cls, hop, copy)
+            row[f"{group}_windows"], row[f"{group}_flipped"] = rate.n, rate.k
+            if cls == "planted":
+                rates.append((f"{group}_recall", rate))
+        rates.append(("found_all", self.every_note_found))
+        for name, rate in rates:
             row[name] = rate.value
             row[f"{name}_lo"], row[f"{name}_hi"] = rate.interval
+        row["found_all_traces"] = self.found_all[1]
         return row
 
 
@@ -159,7 +234,8 @@ def label_scores(labels: Sequence[Label], spans: Mapping[str, FactSpans], level:
     """
     windows = dict.fromkeys((*CLASSES, "flush"), 0)
     flipped = dict.fromkeys((*CLASSES, "flush"), 0)
-    excluded = traces = 0
+    by_note: dict[tuple[str, int, int], list[int]] = {}
+    excluded = traces = found = testable = 0
     for label in labels:
         if not label.labelled:
             continue
@@ -168,6 +244,9 @@ def label_scores(labels: Sequence[Label], spans: Mapping[str, FactSpans], level:
         if not label.windows:
             raise UsageError(f"label {label.id!r} is labelled but records no windows")
         traces += 1
+        facts = spans[label.id]
+        # per needed note of this trace: [planted windows with evidence, flipped]
+        tested = {note: [0, 0] for note in facts.needed}
         for window in label.windows:
             start, end, flip = int(window["start"]), int(window["end"]), window["flipped"]
             if label.no_answer_rule not in (None, "flip") and window.get("outcome") in (NO_ANSWER, DEGENERATE):
@@ -175,19 +254,28 @@ def label_scores(labels: Sequence[Label], spans: Mapping[str, FactSpans], level:
             if flip is None:
                 excluded += 1
                 continue
-            cls = window_class(start, end, spans[label.id])
+            cls, note = classify(start, end, facts)
             windows[cls] += 1
             flipped[cls] += bool(flip)
+            if note is not None and cls in ("planted", "decoy"):
+                for counts in [by_note.setdefault((cls, note.hop, note.copy), [0, 0])] + (
+                        [tested[note]] if cls == "planted" else []):
+                    counts[0] += 1
+                    counts[1] += bool(flip)
             if end == label.answer_start:
                 windows["flush"] += 1
                 flipped["flush"] += bool(flip)
+        if tested and all(n for n, _ in tested.values()):
+            testable += 1
+            found += all(k for _, k in tested.values())
     if not traces:
         raise UsageError("no labelled known-answer trace to score")
-    return LabelScores(traces, windows, flipped, excluded, level)
+    return LabelScores(traces, windows, flipped, excluded, level, {key: (w, f) for key, (w, f) in by_note.items()},
+                       (found, testable))
 
 
-def _positions(notes: Sequence[Mapping[str, Span]], part: str) -> np.ndarray:
-    return np.array([p for note in notes for p in range(*note[part])], dtype=np.int64)
+def _positions(notes: Sequence[Note], part: str) -> np.ndarray:
+    return np.array([p for note in notes for p in range(*note.part(part))], dtype=np.int64)
 
 
 def _filler_positions(facts: FactSpans) -> np.ndarray:
@@ -228,26 +316,30 @@ class ScorerAUC:
 
 
 def scorer_auc(signals: SignalSet, spans: Mapping[str, FactSpans], part: str = "value", against: str = "decoy",
-               level: float = 0.95, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> list[ScorerAUC]:
+               level: float = 0.95, n_boot: int = DEFAULT_N_BOOT, seed: int = 0,
+               hop: int | None = None) -> list[ScorerAUC]:
     """Per signal of `signals` (in its order): the mean over traces of `trace_auc`, needed tokens of `part` (value,
     key or note) against the decoy notes' tokens of the same part (`against` "decoy") or against the filler tokens of
     the reasoning span (``filler``: every position of it outside the notes), with a percentile bootstrap over traces
-    (`n_boot` replicates, seeded by `seed`).
+    (`n_boot` replicates, seeded by `seed`); with `hop`, the needed and decoy notes of that hop only.
 
-    Traces of `signals` without fact spans are left out; a trace without decoys has no AUC. A signal with no AUC on
-    any trace gets NaN and no interval.
+    Traces of `signals` without fact spans are left out; a trace without decoys (of `hop`) has no AUC against them. A
+    signal with no AUC on any trace gets NaN and no interval.
     """
     if part not in PARTS:
         raise unknown_choice("fact part", part, PARTS)
     if against not in AGAINST:
         raise unknown_choice("AUC comparison", against, AGAINST)
+    if hop is not None and hop not in range(1, MAX_HOPS + 1):
+        raise UsageError(f"hop must be in 1..{MAX_HOPS}, got {hop!r}")
     ids, rows = [], []
     for trace in signals.traces:
         if trace.id not in spans:
             continue
         facts = spans[trace.id]
-        needed = _positions(facts.needed, part)
-        others = _positions(facts.decoys, part) if against == "decoy" else _filler_positions(facts)
+        needed = _positions([n for n in facts.needed if hop in (None, n.hop)], part)
+        others = (_positions([n for n in facts.decoys if hop in (None, n.hop)], part) if against == "decoy"
+                  else _filler_positions(facts))
         ids.append(trace.id)
         rows.append([trace_auc(trace.positions, trace.values[:, j], needed, others)
                      for j in range(len(signals.names))])
