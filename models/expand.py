@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from core.errors import UsageError
 from models.lm import LoadedModel
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; they are only annotations here
+    from transformers import PreTrainedModel
 
 
 def expand_kv_heads(model: PreTrainedModel) -> PreTrainedModel:

@@ -25,24 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
-
-import torch
-from transformers import (
-    Gemma2Config,
-    Gemma3TextConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MistralConfig,
-    Olmo2Config,
-    Phi3Config,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from typing import TYPE_CHECKING, Any
 
 from core.errors import UsageError, unknown_choice
+
+if TYPE_CHECKING:  # transformers takes seconds to import; the table names its config classes instead
+    import torch
+    from transformers import PretrainedConfig
 
 # Output layouts of the module a hook reads. "flat": [b, pos, heads*d]; "bphd": [b, pos, heads, d];
 # "bhpd": [b, heads, pos, d]. `HookPoint.read` returns every one as [b, heads, pos, d].
@@ -109,8 +98,9 @@ class Family:
     """One architecture (``config.model_type``) and what kvscope must be told about it."""
 
     model_type: str
-    # transformers' config class of the family; `models.tiny` builds the random-init tiny config from it
-    config_class: type[PretrainedConfig]
+    # transformers' config class of the family, or its name in transformers (imported only when `config_type` is
+    # asked, so reading the table does not import transformers); `models.tiny` builds the tiny config from it
+    config_class: type[PretrainedConfig] | str
     # fields of the tiny config that differ from the shared ones (`models.tiny.tiny_config`)
     tiny: Mapping[str, Any] = field(default_factory=_frozen)
     # the name of the tiny model, ``tiny-<name>``; the model_type when empty
@@ -134,6 +124,14 @@ class Family:
     @property
     def name(self) -> str:
         return self.tiny_name or self.model_type
+
+    def config_type(self) -> type[PretrainedConfig]:
+        """The family's transformers config class."""
+        if isinstance(self.config_class, str):
+            import transformers
+
+            return getattr(transformers, self.config_class)
+        return self.config_class
 
     def hook_table(self) -> dict[str, HookPoint]:
         """Projection hook name -> the module it reads."""
@@ -170,15 +168,16 @@ def register_family(family: Family) -> Family:
 
 
 for _family in (
-    Family("llama", LlamaConfig),
-    Family("mistral", MistralConfig, tiny={"sliding_window": 16}),  # every layer slides, through the mask alone
-    Family("qwen2", Qwen2Config),
-    Family("qwen3", Qwen3Config, tiny={"attention_bias": False}, projections=_QK_NORM_BPHD, tl_points=_TL_QK_NORMED),
-    Family("qwen3_moe", Qwen3MoeConfig, tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    Family("llama", "LlamaConfig"),
+    Family("mistral", "MistralConfig", tiny={"sliding_window": 16}),  # every layer slides, through the mask alone
+    Family("qwen2", "Qwen2Config"),
+    Family("qwen3", "Qwen3Config", tiny={"attention_bias": False}, projections=_QK_NORM_BPHD, tl_points=_TL_QK_NORMED),
+    Family("qwen3_moe", "Qwen3MoeConfig",
+           tiny={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
            projections=_QK_NORM_BPHD, tl_points=_TL_QK_NORMED),
-    Family("gemma2", Gemma2Config, tiny={"sliding_window": 16, "query_pre_attn_scalar": 16}, softcap=True),
+    Family("gemma2", "Gemma2Config", tiny={"sliding_window": 16, "query_pre_attn_scalar": 16}, softcap=True),
     Family(
-        "gemma3_text", Gemma3TextConfig, tiny_name="gemma3",
+        "gemma3_text", "Gemma3TextConfig", tiny_name="gemma3",
         # three sliding-window layers, then a global one
         tiny={"sliding_window": 16, "query_pre_attn_scalar": 16, "sliding_window_pattern": 4},
         # QK-norm applied to [b, head, pos, d] after the transpose, which comes after v_proj
@@ -187,14 +186,14 @@ for _family in (
         nnsight_order={"attn.hook_v": 0.5}, tl_points=_TL_QK_NORMED,
     ),
     Family(
-        "phi3", Phi3Config,
+        "phi3", "Phi3Config",
         projections={  # one fused projection, [q | k | v]
             point: HookPoint("self_attn.qkv_proj", FLAT, "q" if part == "q" else "kv", part)
             for point, part in (("attn.hook_q", "q"), ("attn.hook_k", "k"), ("attn.hook_v", "v"))},
         tl_points={"attn.hook_cache_k": None},  # the bridge's joint-QKV attention keeps its rotated keys inside
     ),
     Family(
-        "olmo2", Olmo2Config,
+        "olmo2", "Olmo2Config",
         # QK-norm over the whole projection (every head's features at once), before the head reshape
         projections={"attn.hook_q": HookPoint("self_attn.q_norm", FLAT, "q"),
                      "attn.hook_k": HookPoint("self_attn.k_norm", FLAT, "kv")},
@@ -202,7 +201,7 @@ for _family in (
                    "attn.hook_k": HookPoint("attn.hook_k_normed", FLAT)},
     ),
     # sliding and full layers alternate (the config's default layer_types); the MLP is a mixture of experts
-    Family("gpt_oss", GptOssConfig, tiny={"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    Family("gpt_oss", "GptOssConfig", tiny={"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
            sinks=True),
 ):
     register_family(_family)

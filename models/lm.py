@@ -6,10 +6,12 @@ It sits below the modules that build models so that none of them imports another
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; they are only annotations here
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass

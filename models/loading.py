@@ -9,6 +9,7 @@ renamed into place, so an interrupted conversion never leaves a half-written mod
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -21,8 +22,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from core.errors import UsageError, unknown_choice
 from core.limits import ModelLimits
@@ -30,8 +29,10 @@ from models.expand import with_expanded_kv_heads
 from models.families import family_names
 from models.lm import LoadedModel
 from models.registry import DEFAULT_MODEL, REGISTRY, cache_root, sha256_file
-from models.tiny import tiny_config, tiny_model
+from models.tiny import tiny_config, tiny_model, tiny_tokenizer
 
+# transformers is imported by the functions that load: importing it takes a second or more, and the command lines
+# import this module before they have read their arguments (`--help` answers without it).
 log = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "flash_attention_2", "eager")
@@ -65,7 +66,8 @@ def _flash_attn_available(device: torch.device) -> bool:
     return True
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype `load_model` loads weights in: `dtype` by name, or bfloat16 on CUDA and float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None:
@@ -87,7 +89,7 @@ def load_model(
     """Load `name`: a registry name, a local HF directory, a `.gguf` file, a hub id, or ``tiny-<family>``
     (`models.tiny`)."""
     device = torch.device(device) if device is not None else default_device()
-    torch_dtype = _resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
     chosen = choose_kernel(attn_implementation, device)
     # Unasked, SDPA is left to transformers, whose default it is: a class without it (Gemma2, gpt-oss) runs eager.
     kernel = None if attn_implementation is None and chosen == "sdpa" else chosen
@@ -159,6 +161,23 @@ def locate_weights(name: str) -> tuple[Path | str, str, dict[str, Any]]:
     return name, f"hub:{name}", {}
 
 
+def load_tokenizer(name: str):
+    """`name`'s tokenizer alone (what `load_model` would pair with it), without loading the weights: for reading a
+    stored trace's tokens back as text."""
+    if name.startswith("tiny-"):
+        check_model_name(name)
+        return tiny_tokenizer()
+    if (expands := _expands(name)) is not None:
+        return load_tokenizer(expands)  # an expansion changes only the KV heads
+    from transformers import AutoTokenizer
+
+    directory, _, _ = locate_weights(name)
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise _cannot_load(name, directory, err) from None
+
+
 def check_model_name(name: str) -> None:
     """Refuse a name `load_model` could never load, without loading anything: registry names, ``tiny-<family>``, a
     local HuggingFace directory, an existing ``.gguf`` file and hub ids (org/name, whose existence shows on load)."""
@@ -194,11 +213,16 @@ def model_config(name: str):
     if name.startswith("tiny-"):
         check_model_name(name)
         return tiny_config(name.removeprefix("tiny-"))
-    if (expands := _expands(name)) is not None:
-        return model_config(expands)  # only its KV heads differ
+    if (expands := _expands(name)) is not None:  # the entry it expands, with one KV head per query head
+        config = copy.deepcopy(model_config(expands))
+        text = config.get_text_config()
+        text.num_key_value_heads = text.num_attention_heads
+        return config
     directory, _, _ = locate_weights(name)
     if isinstance(directory, Path):
         _check_config_file(name, directory / "config.json")
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -244,6 +268,9 @@ def _from_pretrained(directory, torch_dtype, kernel, name):
     if isinstance(directory, Path):
         _check_config_file(name, directory / "config.json")
     # No weight-loading bar: an error found after loading must stay the one line on stderr the CLI contract promises.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -288,6 +315,8 @@ def _converted_copy(gguf: Path, expected_sha256: str | None = None) -> tuple[Pat
     if (target / "kvscope-complete").exists():
         return target, digest
     log.info("converting %s once into %s (later loads reuse it)", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -10,13 +10,16 @@ is a byte-level BPE with no merges plus chat special tokens, so any text round-t
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from models.families import family_named
 from models.lm import LoadedModel
+
+if TYPE_CHECKING:  # transformers takes a second or more to import: only building a tiny model or tokenizer needs it
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<think>", "</think>")
 CHAT_TEMPLATE = (
@@ -33,6 +36,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
     )
@@ -50,7 +55,7 @@ def tiny_config(family: str = "llama", **overrides):
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, pad_token_id=vocab - 7,
         bos_token_id=vocab - 6, eos_token_id=vocab - 5, tie_word_embeddings=True,
     )
-    return record.config_class(**{**common, **record.tiny, **overrides})
+    return record.config_type()(**{**common, **record.tiny, **overrides})
 
 
 def tiny_model(
@@ -59,6 +64,8 @@ def tiny_model(
     """A random-init tiny model of `family`, deterministic for a given `seed`, on the CPU. Without
     `attn_implementation` it runs transformers' default kernel for its class: SDPA, or eager where the class has no
     SDPA path (Gemma2, gpt-oss)."""
+    from transformers import AutoModelForCausalLM
+
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -23,7 +23,6 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import DynamicCache
 
 from core.errors import UsageError
 from models.hooks import capture, hook_name
@@ -102,6 +101,8 @@ class SignalStream:
 def teacher_forced_signals(lm, ids: list[int], layers: Iterable[int] | str = "all",
                            signals: Iterable[str] | None = None) -> dict[str, dict[int, torch.Tensor]]:
     """Signals over a stored trace ``ids`` (prompt + generated) from one forward; arrays ``[1, len(ids)]``."""
+    from transformers import DynamicCache  # transformers takes a second to import: the CLIs import this module first
+
     model = lm.model
     stream = SignalStream(model, resolve_layers(layers, model.config.num_hidden_layers), signals)
     device = next(model.parameters()).device

@@ -17,9 +17,12 @@ ends with ``Answer:``.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from tasks.problem import Problem
+
+if TYPE_CHECKING:  # transformers takes a second to import; the tokenizer class is only an annotation here
+    from transformers import PreTrainedTokenizerBase
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PLAIN_TEMPLATE = "Problem: {question}\n\n{instruction}\n\nSolution:"

@@ -51,7 +51,7 @@ def test_second_load_reuses_converted_copy(smollm2, monkeypatch):
         calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)  # the class load_model imports when it loads
     again = load_model("smollm2-135m", device="cpu", dtype="float32")
     assert len(calls) == 1
     (args, kwargs) = calls[0]

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.stats import gaussian_kde
 
 from core.errors import UsageError
 from core.schemas import Trace
@@ -101,6 +100,8 @@ def kde_thresholds(samples: np.ndarray) -> tuple[float, float, str]:
     if len(np.unique(samples)) < 3:
         return float(tertiles[0]), float(tertiles[1]), "tertiles"
     grid = np.linspace(samples.min(), samples.max(), KDE_GRID)
+    from scipy.stats import gaussian_kde  # scipy.stats takes seconds to import; only calibrating needs it
+
     density = gaussian_kde(samples)(grid)
     peaks = [i for i in range(1, KDE_GRID - 1) if density[i - 1] < density[i] >= density[i + 1]]
     if len(peaks) < 3:

@@ -7,8 +7,12 @@ module (or a class to one) and nothing else. Policies are listed by module name,
 
 from __future__ import annotations
 
-from scoring.policy import Policy
+from typing import TYPE_CHECKING
+
 from scoring.registry import Registry
+
+if TYPE_CHECKING:  # the policies import torch when the registry is first read, not before (`--help` needs neither)
+    from scoring.policy import Policy
 
 POLICIES: Registry[Policy] = Registry("policy", __name__)
 register_policy = POLICIES.register

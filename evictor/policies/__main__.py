@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.cli import ArgumentParser, main_guard
 from core.errors import unknown_choice
-from evictor.policies import POLICIES, get_policy, policy_names
-from scoring.policy import Policy
+
+if TYPE_CHECKING:
+    from scoring.policy import Policy
 
 
 def reads(policy: Policy) -> str:
@@ -48,6 +49,9 @@ def protection(policy: Policy) -> str:
 
 
 def describe(name: str) -> dict[str, Any]:
+    from evictor.policies import get_policy
+    from scoring.policy import Policy
+
     policy = get_policy(name)
     return {
         "name": name,
@@ -97,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from evictor.policies import POLICIES, policy_names  # the policies import torch: after --help has answered
 
     names = policy_names()
     if args.name is not None and args.name not in POLICIES:
