@@ -17,33 +17,65 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import fixed_prompt, interleaved, median, set_threads, table  # noqa: E402
+from bench.common import check_engine_memory, checked_prompt, interleaved, median, set_threads, table  # noqa: E402
+from core.cli import (  # noqa: E402
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    non_negative_int,
+    positive_int,
+    thread_count,
+)
+from core.errors import UsageError  # noqa: E402
+from core.limits import Footprint  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--policies", default="snapkv,h2o,tova", help="attention-requiring policies (comma list)")
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--buffer", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="bench/attention_kernels.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model (default: smollm2-135m)")
+    parser.add_argument("--policies", default="snapkv,h2o,tova",
+                        help="attention-requiring policies (comma list; default: snapkv,h2o,tova)")
+    parser.add_argument("--budget", type=positive_int, default=256, help="K (default: 256)")
+    parser.add_argument("--buffer", type=non_negative_int, default=64, help="r (default: 64)")
+    parser.add_argument("--new-tokens", type=positive_int, default=512, help="decoded tokens (default: 512)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="repeats per setting, interleaved (default: 3)")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads (default: 1)")
+    add_device_arguments(parser)
+    return parser
+
+
+def _run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from evictor.policies import get_policy
+    from evictor.policy import choose_policies
+    from evictor.protocol import EvictionConfig
+    from models.footprint import model_shape
+
+    policies = choose_policies(args.policies, "--policies")
+    blind = [name for name in policies if not get_policy(name).needs.attention]
+    if blind:
+        raise UsageError(f"--policies {args.policies!r}: {', '.join(blind)} read no attention, so the kernel does not "
+                         "matter to them; give attention-requiring policies (e.g. snapkv,h2o,tova)")
+    config = EvictionConfig(budget=args.budget, buffer=args.buffer)
+    prompt = checked_prompt(args.model, args.budget, args.buffer, args.new_tokens)
+    shape = model_shape(args.model, args.dtype, args.device)
+    # A copy of the model per kernel is loaded at once; the eager one runs the largest forward.
+    check_engine_memory(shape, ["full", *policies], config, len(prompt), args.new_tokens, 1, args.device,
+                        args.max_memory, eager=True, remedy="lower --new-tokens",
+                        extra=Footprint((("sdpa copy of the weights", shape.weight_bytes),)))
     set_threads(args.threads)
 
     from evictor.engine import EvictionEngine
-    from evictor.protocol import EvictionConfig
     from models.loading import load_model
 
-    models = {"eager": load_model(args.model, attn_implementation="eager"), "sdpa": load_model(args.model)}
-    prompt = fixed_prompt(models["sdpa"])
+    models = {kernel: load_model(args.model, device=args.device, dtype=args.dtype,
+                                 attn_implementation=kernel if kernel == "eager" else None)
+              for kernel in ("eager", "sdpa")}
     engines = {}
     for kernel, lm in models.items():
-        engines[f"full@{kernel}"] = EvictionEngine(lm, "full", EvictionConfig(budget=args.budget, buffer=args.buffer))
-        for policy in args.policies.split(","):
-            engines[f"{policy}@{kernel}"] = EvictionEngine(lm, policy, EvictionConfig(budget=args.budget,
-                                                                                      buffer=args.buffer))
+        engines[f"full@{kernel}"] = EvictionEngine(lm, "full", config)
+        for policy in policies:
+            engines[f"{policy}@{kernel}"] = EvictionEngine(lm, policy, config)
     print(f"{args.model}; prompt {len(prompt)} tokens; {args.new_tokens} new tokens; K={args.budget}, "
           f"r={args.buffer}; {args.threads} thread(s); {args.repeats} repeats")
 
@@ -67,11 +99,14 @@ def main() -> None:
     print(table(rows, [("setting", "setting", "s"), ("tok_s", "tok/s", ".2f"), ("ratio", "x full@sdpa", ".3f"),
                        ("round_share", "round %", ".2%"), ("round_ms", "ms/round", ".2f"),
                        ("attn_ms", "attn ms/tok", ".2f")]))
-    for policy in args.policies.split(","):
+    for policy in policies:
         eager = next(r for r in rows if r["setting"] == f"{policy}@eager")
         sdpa = next(r for r in rows if r["setting"] == f"{policy}@sdpa")
         print(f"{policy}: on SDPA it runs at {sdpa['tok_s'] / eager['tok_s']:.3f}x its eager-kernel speed")
+    return 0
 
+
+main = main_guard(_run)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

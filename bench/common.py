@@ -28,14 +28,21 @@ SMALL = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512, "
              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 8192}
 
 
+def llama_config(shape: dict):
+    """The transformers config of a random-init Llama of `shape` (a LlamaConfig's fields)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def build_llama(shape: dict, kernel: str, device: torch.device, dtype: torch.dtype, name: str):
     """A random-init Llama of `shape` (a LlamaConfig's fields) as a `LoadedModel`, seeded, in eval mode."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from models.lm import LoadedModel
     from models.tiny import tiny_tokenizer
 
-    config = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = llama_config(shape)
     start = time.perf_counter()
     with torch.device(device):
         torch.manual_seed(0)
@@ -45,12 +52,42 @@ def build_llama(shape: dict, kernel: str, device: torch.device, dtype: torch.dty
     return LoadedModel(model, tokenizer, name, "random-init", time.perf_counter() - start)
 
 
-def fixed_prompt(lm) -> list[int]:
+def fixed_prompt(tokenizer) -> list[int]:
     """The benchmark prompt, formatted the way evaluation runs format it."""
     from tasks.problem import Problem
     from tasks.prompts import build_prompt_ids
 
-    return build_prompt_ids(lm.tokenizer, Problem("bench", QUESTION, "72", "gsm8k"))
+    return build_prompt_ids(tokenizer, Problem("bench", QUESTION, "72", "gsm8k"))
+
+
+def checked_prompt(model: str, budget: int, buffer: int, new_tokens: int) -> list[int]:
+    """`fixed_prompt` in `model`'s tokens, its budget, buffer and the prompt plus `new_tokens` checked against the
+    model's context (read from its config and tokenizer; nothing is loaded)."""
+    from models.loading import load_tokenizer, model_limits
+
+    prompt = fixed_prompt(load_tokenizer(model))
+    limits = model_limits(model)
+    limits.check_flags({"--budget": budget, "--buffer": buffer})
+    limits.check_tokens(f"the {len(prompt)}-token prompt + --new-tokens {new_tokens}", len(prompt) + new_tokens)
+    return prompt
+
+
+def check_engine_memory(shape, policies: Sequence[str], config, prompt: int, new_tokens: int, batch: int,
+                        device: str | None, max_memory: int | None, *, eager: bool = False, remedy: str = "",
+                        extra=None) -> None:
+    """Refuse a benchmark whose largest `evictor.engine.EvictionEngine` run (`batch` copies of a `prompt`-token
+    prompt, `new_tokens` decoded, under `config` and each of `policies`), with the `core.limits.Footprint` `extra`
+    it holds besides, would need more memory than the device has or --max-memory allows (`models.footprint.ModelShape`
+    `shape`)."""
+    from core.limits import Footprint, MemoryLimit
+    from evictor.engine import eviction_footprint
+    from evictor.policies import get_policy
+
+    footprint = max((eviction_footprint(shape, get_policy(name), config, [prompt] * batch, new_tokens, batch,
+                                        eager=eager) for name in policies), key=lambda footprint: footprint.total)
+    (footprint + (extra or Footprint(()))).check(
+        f"{shape.model} decoding {batch} sequence(s) of {prompt} prompt + {new_tokens} new tokens",
+        MemoryLimit.of(device, max_memory), remedy or "lower --batch-size or --new-tokens")
 
 
 def median(values: Sequence[float | None]) -> float | None:

@@ -16,34 +16,53 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import fixed_prompt, interleaved, median, set_threads, table  # noqa: E402
+from bench.common import check_engine_memory, checked_prompt, interleaved, median, set_threads, table  # noqa: E402
+from core.cli import (  # noqa: E402
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    non_negative_int,
+    positive_int,
+    thread_count,
+)
 
 TARGET_SHARE = 0.05
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="bench/decode_throughput.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model (default: smollm2-135m)")
     parser.add_argument("--policies", default="random,valuediff,keydiff,epikv",
                         help="policies compared with full (comma list; default: random,valuediff,keydiff,epikv)")
-    parser.add_argument("--budget", type=int, default=256, help="K (default: 256)")
-    parser.add_argument("--buffer", type=int, default=64, help="r (default: 64)")
+    parser.add_argument("--budget", type=positive_int, default=256, help="K (default: 256)")
+    parser.add_argument("--buffer", type=non_negative_int, default=64, help="r (default: 64)")
     parser.add_argument("--trigger", default="interval", choices=["interval", "step"], help="eviction trigger")
-    parser.add_argument("--new-tokens", type=int, default=1024, help="forced generation length (default: 1024)")
-    parser.add_argument("--batch-size", type=int, default=1, help="copies of the prompt decoded together")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per policy, interleaved (default: 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
-    args = parser.parse_args()
+    parser.add_argument("--new-tokens", type=positive_int, default=1024,
+                        help="forced generation length (default: 1024)")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="copies of the prompt decoded together")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="repeats per policy, interleaved (default: 3)")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads (default: 1)")
+    add_device_arguments(parser)
+    return parser
+
+
+def _run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from evictor.policy import choose_policies
+    from evictor.protocol import EvictionConfig
+    from models.footprint import model_shape
+
+    names = ["full"] + [p for p in choose_policies(args.policies, "--policies") if p != "full"]
+    config = EvictionConfig(budget=args.budget, buffer=args.buffer, trigger=args.trigger)
+    prompt = checked_prompt(args.model, args.budget, args.buffer, args.new_tokens)
+    check_engine_memory(model_shape(args.model, args.dtype, args.device), names, config, len(prompt),
+                        args.new_tokens, args.batch_size, args.device, args.max_memory)
     set_threads(args.threads)
 
     from evictor.engine import EvictionEngine
-    from evictor.protocol import EvictionConfig
     from models.loading import load_model
 
-    lm = load_model(args.model)
-    prompt = fixed_prompt(lm)
-    config = EvictionConfig(budget=args.budget, buffer=args.buffer, trigger=args.trigger)
-    names = ["full"] + [p for p in args.policies.split(",") if p and p != "full"]
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     engines = {name: EvictionEngine(lm, name, config) for name in names}
     print(f"{args.model} ({lm.kernel}, {lm.device}, {args.threads} thread(s)); prompt {len(prompt)} tokens; "
           f"{args.new_tokens} new tokens; K={args.budget}, r={args.buffer}, trigger {args.trigger}; "
@@ -86,7 +105,10 @@ def main() -> None:
                        ("round_share", "round %", ".2%"), ("target", "<5%?", "s"),
                        ("observe_share", "observe %", ".2%"), ("round_ms", "ms/round", ".2f"),
                        ("rounds", "rounds", "d"), ("peak_slots", "peak slots", "d"), ("cache_mb", "cache MB", ".2f")]))
+    return 0
 
+
+main = main_guard(_run)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

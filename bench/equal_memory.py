@@ -48,7 +48,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, non_negative_float, positive_int  # noqa: E402
+from core.cli import (  # noqa: E402
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    non_negative_float,
+    positive_int,
+    seed_int,
+)
 from core.errors import UsageError  # noqa: E402
 
 GB = 2**30
@@ -147,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs per policy, interleaved across policies; the table shows medians (default: 1)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt and of random policies")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the random prompt and of random policies")
     add_device_arguments(parser)
     parser.add_argument("--out", default=None,
                         help="also write the table to OUT/equal_memory.csv with the settings in OUT/config.json "
@@ -158,17 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from core.rundir import RunDir
-    from evictor.policies import get_policy
-    from models.loading import load_model
+    from evictor.policy import choose_policies
+    from models.loading import load_model, model_limits
     from validation.report import write_csv as write_rows
 
     if args.memory_gb <= 0:
         raise UsageError(f"--memory-gb must be positive, got {args.memory_gb:g}")
-    policies = [p for p in args.policies.split(",") if p]
-    for name in policies:
-        get_policy(name)  # an unknown name fails here, before the model loads
+    policies = choose_policies(args.policies, "--policies")  # an unknown name fails here, before the model loads
+    model_limits(args.model).check_flags({"--context": args.context + args.new_tokens, "--budget": args.budget,
+                                          "--buffer": args.buffer, "--block": args.block})
+    check_memory(args, ["full", *policies])
     torch.set_num_threads(args.threads)
-    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads", "max_memory")}
     with RunDir(args.out, identity) if args.out else contextlib.nullcontext() as run:
         rows = _measure_and_print(args, policies, load_model(args.model, device=args.device, dtype=args.dtype))
         if run is not None:
@@ -176,6 +184,32 @@ def _run(argv: list[str] | None = None) -> int:
             run.save_config(threads=args.threads)
             print(f"\nwritten to {run.path}/equal_memory.csv")
     return 0
+
+
+def check_memory(args, policies: list[str]) -> None:
+    """Refuse settings whose largest run would need more memory than the device has or --max-memory allows: each
+    policy at the batch whose cache fills --memory-gb (at most --max-batch), prefilling a block of every sequence
+    at once (`evictor.engine.eviction_footprint`)."""
+    from core.limits import MemoryLimit
+    from evictor.engine import eviction_footprint
+    from evictor.policies import get_policy
+    from evictor.protocol import EvictionConfig
+    from models.footprint import model_shape
+
+    shape = model_shape(args.model, args.dtype, args.device)
+    config = EvictionConfig(budget=args.budget, buffer=args.buffer, block=args.block, protect="sinks")
+    worst = None
+    for name in policies:
+        policy = get_policy(name)
+        context = args.context if name == "full" or not args.short_prompt else args.budget + args.buffer + args.block
+        one = eviction_footprint(shape, policy, config, [context], args.new_tokens, 1)
+        cache = dict(one.parts)["KV cache"]
+        batch = max(1, min(int(args.memory_gb * GB) // cache, args.max_batch or 2**62))
+        footprint = eviction_footprint(shape, policy, config, [context] * batch, args.new_tokens, batch)
+        worst = footprint if worst is None or footprint.total > worst.total else worst
+    assert worst is not None  # `full` is always measured
+    worst.check(f"{args.model} filling a --memory-gb {args.memory_gb:g} KV cap at --context {args.context}",
+                MemoryLimit.of(args.device, args.max_memory), "lower --memory-gb, --context or --max-batch")
 
 
 def _measure_and_print(args, policies: list[str], lm) -> list[dict]:

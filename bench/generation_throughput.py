@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import interleaved, median, set_threads, table  # noqa: E402
-from core.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
+from core.cli import ArgumentParser, distinct, main_guard, memory_size, positive_int  # noqa: E402
 from core.errors import UsageError  # noqa: E402
 
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
@@ -50,7 +50,8 @@ def parse_settings(text: str) -> list[tuple[str, int]]:
         if not match:
             raise UsageError(f"--settings: {item!r} is not <engine>-<batch size> with engine hf or vllm (e.g. hf-8)")
         settings.append((match[1], int(match[2])))
-    return [("hf", 1)] + [s for s in dict.fromkeys(settings) if s != ("hf", 1)]
+    distinct("--settings", text, [f"{engine}-{size}" for engine, size in settings])
+    return [("hf", 1)] + [s for s in settings if s != ("hf", 1)]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -139,8 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GSM8K JSONL file (default: $KVSCOPE_DATA_DIR/gsm8k_test.jsonl)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads for the HF settings (default: torch's, all cores; vLLM sets its own)")
+    parser.add_argument("--max-memory", type=memory_size, default=None,
+                        help="the memory the HF settings may use, with its unit (e.g. 8GiB): a setting whose "
+                        "estimated peak exceeds it is refused before anything runs (default: this machine's memory)")
     parser.add_argument("--out", default=None, help="also write throughput.csv, agreement.csv and config.json here")
     return parser
+
+
+def check_memory(models: list[str], settings: list[tuple[str, int]], args) -> None:
+    """Refuse a run whose prompts and --max-new-tokens exceed a model's context, or whose largest HF batch would need
+    more memory than this machine has or --max-memory allows (`tasks.generation.generation_footprint`; vLLM sizes its
+    own cache in its own process)."""
+    from core.limits import MemoryLimit
+    from models.footprint import model_shape
+    from models.loading import load_tokenizer, model_limits
+    from tasks.datasets import load_problems
+    from tasks.generation import generation_footprint
+    from tasks.prompts import build_prompt_ids
+
+    problems = load_problems("gsm8k", data_file=args.data_file, limit=args.problems)
+    batch = max(size for engine, size in settings if engine == "hf")
+    for model in models:
+        tokenizer = load_tokenizer(model)
+        lengths = [len(build_prompt_ids(tokenizer, problem)) for problem in problems]
+        model_limits(model).check_tokens(f"a prompt of {max(lengths)} tokens + --max-new-tokens {args.max_new_tokens}",
+                                         max(lengths) + args.max_new_tokens)
+        generation_footprint(model_shape(model, "float32", "cpu"), lengths, args.max_new_tokens, batch).check(
+            f"{model} decoding hf-{batch} ({max(lengths)} prompt + --max-new-tokens {args.max_new_tokens} tokens)",
+            MemoryLimit.of("cpu", args.max_memory), "lower --settings' hf batch sizes or --max-new-tokens")
 
 
 def _run(argv: list[str] | None) -> int:
@@ -153,12 +180,14 @@ def _run(argv: list[str] | None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for model in models:
         check_model_name(model)
+    distinct("--models", args.models, models)
     settings = parse_settings(args.settings)
     if any(engine == "vllm" for engine, _ in settings):
         check_engine("vllm")
+    check_memory(models, settings, args)
     if args.threads is not None:
         set_threads(args.threads)
-    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads", "max_memory")}
     with RunDir(args.out, identity) if args.out else contextlib.nullcontext() as run:
         throughput, agreement = [], []
         for model in models:

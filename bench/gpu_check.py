@@ -23,6 +23,7 @@ an out-of-memory error marks the row OOM and skips longer contexts of that setup
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -30,7 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import BIG, SMALL, build_llama  # noqa: E402
+from bench.common import BIG, SMALL, build_llama, check_engine_memory, llama_config  # noqa: E402
+from core.cli import ArgumentParser, main_guard, memory_size, positive_int  # noqa: E402
+from core.errors import UsageError  # noqa: E402
+from core.limits import ModelLimits  # noqa: E402
 
 
 def check_against_reference(lm, kernel: str, device) -> str:
@@ -63,58 +67,110 @@ def check_against_reference(lm, kernel: str, device) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def prefill_contexts(text: str) -> int | None:
+    """argparse type for --prefill-ctx: a context length, or 'none' (skip the measurement)."""
+    return None if text == "none" else positive_int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from evictor.protocol import PROTECTIONS
+    from models.loading import KERNELS
+
+    parser = ArgumentParser(prog="bench/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized model, fp32, SDPA (runs anywhere)")
-    parser.add_argument("--context", type=int, default=None, help="prompt tokens (default: 16384; small: 1024)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="decoded tokens (default: 256; small: 128)")
-    parser.add_argument("--budget", type=int, default=None, help="K (default: 2048; small: 128)")
-    parser.add_argument("--buffer", type=int, default=None, help="r (default: 64; small: 16)")
-    parser.add_argument("--block", type=int, default=None, help="prefill block B (default: 1024; small: 128)")
-    parser.add_argument("--protect", default="sinks", choices=["prompt", "sinks", "none"])
-    parser.add_argument("--policies", default="random,valuediff,keydiff", help="compared with full")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--kernel", default=None, help="default: flash_attention_2 on CUDA when installed, else sdpa")
+    parser.add_argument("--context", type=positive_int, default=None,
+                        help="prompt tokens (default: 16384; small: 1024)")
+    parser.add_argument("--new-tokens", type=positive_int, default=None,
+                        help="decoded tokens (default: 256; small: 128)")
+    parser.add_argument("--budget", type=positive_int, default=None, help="K (default: 2048; small: 128)")
+    parser.add_argument("--buffer", type=positive_int, default=None, help="r (default: 64; small: 16)")
+    parser.add_argument("--block", type=positive_int, default=None, help="prefill block B (default: 1024; small: 128)")
+    parser.add_argument("--protect", default="sinks", choices=PROTECTIONS, help="prompt protection (default: sinks)")
+    parser.add_argument("--policies", default="random,valuediff,keydiff", help="compared with full (comma list)")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="copies of the prompt decoded together")
+    parser.add_argument("--kernel", default=None, choices=KERNELS,
+                        help="default: flash_attention_2 on CUDA when installed, else sdpa")
     parser.add_argument("--skip-check", action="store_true",
                         help="skip the correctness check against the reference kernel")
-    parser.add_argument("--prefill-ctx", nargs="+", default=None,
+    parser.add_argument("--prefill-ctx", type=prefill_contexts, nargs="+", default=None,
                         help="context lengths of the prefill-memory measurement, or 'none' to skip it (default: "
                         "1024 ... 65536 doubling on CUDA; small: 256 512 1024)")
     parser.add_argument("--prefill-out", default="runs/gpu-check-prefill-memory",
                         help="directory for the prefill-memory CSV (default: runs/gpu-check-prefill-memory)")
-    args = parser.parse_args()
+    parser.add_argument("--max-memory", type=memory_size, default=None,
+                        help="the memory the check may use, with its unit (e.g. 40GiB): a setting whose estimated "
+                        "peak exceeds it is refused before the model is built (default: the device's memory)")
+    return parser
 
-    from evictor.engine import EvictionEngine
+
+def _run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from core.rundir import RunDir
+    from evictor.policy import choose_policies
     from evictor.protocol import EvictionConfig
+    from models.footprint import config_shape
     from models.loading import choose_kernel
 
     device = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.small:
-        raise SystemExit("no CUDA device: run with --small for the CPU-sized check")
+        raise UsageError("no CUDA device: run with --small for the CPU-sized check")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    kernel = args.kernel or ("sdpa" if args.small else choose_kernel(None, device))
+    kernel = choose_kernel(args.kernel or ("sdpa" if args.small else None), device)
     context = args.context or (1024 if args.small else 16384)
     new_tokens = args.new_tokens or (128 if args.small else 256)
     buffer = args.buffer or (16 if args.small else 64)
     budget = args.budget or (128 if args.small else 2048)
     block = args.block or (128 if args.small else 1024)
+    names = ["full"] + [p for p in choose_policies(args.policies, "--policies") if p != "full"]
+    contexts = check_prefill_contexts(args.prefill_ctx, args.small)
+    shape_config = SMALL if args.small else BIG
+    model_config = llama_config(shape_config)
+    ModelLimits("the random-init model", context=model_config.max_position_embeddings).check_flags(
+        {"--context + --new-tokens": context + new_tokens, "--budget": budget, "--buffer": buffer, "--block": block})
+    config = EvictionConfig(budget=budget, buffer=buffer, block=block, protect=args.protect)
+    shape = config_shape("random-llama-small" if args.small else "random-llama-8b-shape", model_config,
+                         dtype.itemsize)
+    check_engine_memory(shape, names, config, context, new_tokens, args.batch_size, str(device), args.max_memory,
+                        eager=kernel == "eager", remedy="lower --context, --new-tokens or --batch-size")
+    prefill = RunDir(args.prefill_out, {"contexts": contexts, "small": args.small}) if contexts else None
 
-    lm = build_llama(SMALL if args.small else BIG, kernel, device, dtype,
-                     "random-llama-small" if args.small else "random-llama-8b-shape")
+    with prefill if prefill is not None else contextlib.nullcontext():
+        lm = build_llama(shape_config, kernel, device, dtype, shape.model)
+        decode_check(lm, args, kernel, device, config, context, new_tokens, names)
+        if prefill is not None:
+            prefill_memory(lm, prefill.path, contexts, device)
+    return 0
+
+
+def check_prefill_contexts(given: list[int | None] | None, small: bool) -> list[int]:
+    """The contexts of the prefill-memory measurement: --prefill-ctx's lengths, none for ``none`` alone, else the
+    defaults."""
+    if given is None:
+        return [256, 512, 1024] if small else [1024 * 2**i for i in range(7)]
+    if given == [None]:
+        return []
+    if None in given:
+        raise UsageError("--prefill-ctx takes token counts, or 'none' alone to skip the measurement")
+    return [n for n in given if n is not None]
+
+
+def decode_check(lm, args, kernel: str, device, config, context: int, new_tokens: int, names: list[str]) -> None:
+    """The correctness of eviction under `kernel` (unless --skip-check), then every policy's speed and memory."""
+    from evictor.engine import EvictionEngine
+
     cfg = lm.config
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), kernel "
-          f"{kernel}, {dtype}; model {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
+          f"{kernel}, {lm.model.dtype}; model {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
           f"{cfg.num_key_value_heads} kv heads, d_head {cfg.head_dim}, hidden {cfg.hidden_size} (built in "
-          f"{lm.load_seconds:.1f} s); context {context}, {new_tokens} new tokens, K={budget}, r={buffer}, "
-          f"B={block}, protect {args.protect}, batch {args.batch_size}", flush=True)
+          f"{lm.load_seconds:.1f} s); context {context}, {new_tokens} new tokens, K={config.budget}, "
+          f"r={config.buffer}, B={config.block}, protect {config.protect}, batch {args.batch_size}", flush=True)
     if not args.skip_check:
         print(check_against_reference(lm, kernel, device), flush=True)
 
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, min(cfg.vocab_size, 30000), (context,), generator=generator).tolist()
-    config = EvictionConfig(budget=budget, buffer=buffer, block=block, protect=args.protect)
     rows = []
-    for name in ["full"] + [p for p in args.policies.split(",") if p and p != "full"]:
+    for name in names:
         engine = EvictionEngine(lm, name, config)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -137,33 +193,27 @@ def main() -> None:
     if device.type == "cpu":
         print("(CPU: peak memory is the process RSS, dominated by the weights; the KV-cache column is the tracked "
               "cache tensors)")
-    if args.prefill_ctx != ["none"]:
-        prefill_memory(lm, args, device)
 
 
-def prefill_memory(lm, args, device) -> None:
-    """The prefill-memory measurement of `bench/prefill_memory.py` on this full-depth model, written to a CSV."""
+def prefill_memory(lm, out: Path, contexts: list[int], device) -> None:
+    """The prefill-memory measurement of `bench/prefill_memory.py` on this full-depth model, written to a CSV in the
+    claimed directory `out`."""
     from bench.prefill_memory import measure, print_table
     from models.memory import write_rows
 
-    if args.prefill_ctx is None:
-        contexts = [256, 512, 1024] if args.small else [1024 * 2**i for i in range(7)]
-    else:
-        try:
-            contexts = [int(text) for text in args.prefill_ctx]
-        except ValueError:
-            raise SystemExit(f"--prefill-ctx takes token counts or 'none', got {' '.join(args.prefill_ctx)}") from None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     print(f"\nprefill memory of scoring, {lm.name} ({lm.config.num_hidden_layers} layers, {lm.model.dtype}), "
           f"contexts {contexts}", flush=True)
     rows = measure(lm, contexts)
-    path = write_rows(Path(args.prefill_out) / "prefill_memory.csv", rows)
+    path = write_rows(out / "prefill_memory.csv", rows)
     print_table(rows)
     capacity = f" --capacity-gb {torch.cuda.get_device_properties(device).total_memory / 2**30:.0f}" \
         if device.type == "cuda" else ""
     print(f"written to {path}; draw it with python -m figures.prefill_memory --input {path} --out figs{capacity}")
 
 
+main = main_guard(_run)
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -43,7 +43,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, fixed_prompt, median, set_threads, table  # noqa: E402
+from bench.common import ROOT, check_engine_memory, fixed_prompt, median, set_threads, table  # noqa: E402
+from core.cli import (  # noqa: E402
+    ArgumentParser,
+    atomic_write,
+    check_output_file,
+    distinct,
+    main_guard,
+    memory_size,
+    open_unit_interval,
+    positive_int,
+    thread_count,
+)
+from core.errors import UsageError, unknown_choice  # noqa: E402
 
 VENV_PYTHON = ROOT / "bench" / ".venv-kvpress" / "bin" / "python"
 SIDE = ROOT / "bench" / "_kvpress_side.py"
@@ -110,8 +122,20 @@ def kvpress_kept(model_dir: str, prompt: list[int], ratio: float, methods: tuple
             capture_output=True, text=True, env=env,
         )
         if done.returncode != 0:
-            raise SystemExit(f"kvpress side failed:\n{done.stderr[-3000:]}")
+            raise UsageError(f"the kvpress side failed: {side_error(done)}")
         return json.loads(out.read_text())
+
+
+def require_side() -> None:
+    """Refuse to start without the kvpress side's environment, once every setting has been checked."""
+    if not VENV_PYTHON.exists():
+        raise UsageError(f"{VENV_PYTHON} is missing: run bash bench/setup_kvpress.sh first")
+
+
+def side_error(done: subprocess.CompletedProcess) -> str:
+    """What the kvpress side's failure says, in one line: the last line of its stderr (its exception)."""
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
 
 
 def kvscope_kept(lm, prompt: list[int], budget: int, method: Method) -> list[list[list[int]]]:
@@ -176,10 +200,11 @@ def context_prompt(lm, ctx: int) -> list[int]:
 
 
 def kept_command(args: argparse.Namespace) -> None:
-    chosen = [m for m in METHODS if args.methods is None or m.name in args.methods.split(",")]
-    unknown = set(args.methods.split(",")) - {m.name for m in METHODS} if args.methods else set()
-    if unknown or not chosen:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}; valid: {', '.join(m.name for m in METHODS)}")
+    chosen = choose_methods(args.methods)
+    if args.out:
+        check_output_file(Path(args.out))
+    check_memory(args, {method.policy for method in chosen}, args.ctx, 1)
+    require_side()
     with tempfile.TemporaryDirectory() as tmp:
         lm, directory = load_side_by_side(args.model, tmp)
         prompt = context_prompt(lm, args.ctx)
@@ -198,22 +223,50 @@ def kept_command(args: argparse.Namespace) -> None:
             print(f"  matched method below 1.0: {row['method']} layer {row['layer']} head {row['head']} "
                   f"J = {row['jaccard']:.3f}")
     if args.out:
-        with open(args.out, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(pairs[0]))
+        with atomic_write(args.out) as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(pairs[0]), lineterminator="\n")
             writer.writeheader()
             writer.writerows(pairs)
         print(f"per-pair Jaccard written to {args.out}")
 
 
+def choose_methods(text: str | None) -> list[Method]:
+    """The methods --methods names (default: all), in the order given; an unknown or repeated one is refused."""
+    if text is None:
+        return list(METHODS)
+    by_name = {method.name: method for method in METHODS}
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in by_name:
+            raise unknown_choice("method", name, by_name)
+    distinct("--methods", text, names)
+    return [by_name[name] for name in names]
+
+
+def check_memory(args: argparse.Namespace, policies, prompt: int, new_tokens: int) -> None:
+    """Refuse a comparison whose kvscope side would need more memory than this machine has or --max-memory allows
+    (the kvpress side runs after it, in its own process, with the same weights)."""
+    from evictor.protocol import EvictionConfig
+    from models.footprint import model_shape
+
+    check_engine_memory(model_shape(args.model, "float32", "cpu"), ["full", *sorted(policies)],
+                        EvictionConfig(budget=None, buffer=0, trigger="step"), prompt, new_tokens, 1, "cpu",
+                        args.max_memory, remedy="lower --ctx or --new-tokens")
+
+
 def speed_command(args: argparse.Namespace) -> None:
     from evictor.engine import EvictionEngine
     from evictor.protocol import EvictionConfig
-    from models.loading import load_model
+    from models.loading import load_model, load_tokenizer
 
-    lm = load_model("smollm2-135m")
+    if args.interval >= args.target:
+        raise UsageError(f"--interval {args.interval} must be below --target {args.target}: kvscope keeps K = T - I")
+    prompt = fixed_prompt(load_tokenizer(args.model))
+    check_memory(args, {"keynorm"}, len(prompt), args.new_tokens)
+    require_side()
+    lm = load_model(args.model)
     assert lm.model.name_or_path is not None  # from_pretrained records where the weights were read from
     model_dir = Path(lm.model.name_or_path)
-    prompt = fixed_prompt(lm)
     config = EvictionConfig(budget=args.target - args.interval, buffer=args.interval, trigger="interval",
                             protect="none", block=4096)
     engines = {"full": EvictionEngine(lm, "full", config), "keynorm": EvictionEngine(lm, "keynorm", config)}
@@ -236,7 +289,7 @@ def speed_command(args: argparse.Namespace) -> None:
             capture_output=True, text=True, env=side_env,
         )
         if out.returncode != 0:
-            raise SystemExit(f"kvpress side failed:\n{out.stderr[-3000:]}")
+            raise UsageError(f"the kvpress side failed: {side_error(out)}")
         side = json.loads(out.stdout.strip().splitlines()[-1])
         runs["kvpress none"].append(side["none"])
         runs["kvpress DecodingPress(Knorm)"].append(side["press"])
@@ -259,39 +312,43 @@ def speed_command(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="bench/kvpress_compare.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     kept = commands.add_parser("kept", help="Jaccard of the kept sets per (layer, KV head) after prefill")
     kept.add_argument("--model", default="smollm2-135m", choices=MODELS,
                       help="SmolLM2-135M (its converted directory) or the random-init tiny Llama (default: "
                       "smollm2-135m)")
-    kept.add_argument("--ctx", type=int, default=1024,
+    kept.add_argument("--ctx", type=positive_int, default=1024,
                       help="prompt tokens: the first geometry calibration text, cut to this length (default: 1024)")
-    kept.add_argument("--ratio", type=float, default=0.75,
-                      help="kvpress compression_ratio: the share of prompt tokens evicted (default: 0.75, which "
-                      "keeps 256 of 1024, a multiple of the 128-token block)")
+    kept.add_argument("--ratio", type=open_unit_interval, default=0.75,
+                      help="kvpress compression_ratio: the share of prompt tokens evicted, in (0, 1) (default: 0.75, "
+                      "which keeps 256 of 1024, a multiple of the 128-token block)")
     kept.add_argument("--methods", default=None,
                       help=f"comma list of methods (default: all of {', '.join(m.name for m in METHODS)})")
     kept.add_argument("--out", default=None, help="CSV file for the per-pair Jaccard (default: none)")
     speed = commands.add_parser("speed", help="decode tokens/s and peak cache at the same cache target")
-    speed.add_argument("--target", type=int, default=256, help="cache target T (default: 256)")
-    speed.add_argument("--interval", type=int, default=16, help="compression interval I (default: 16)")
-    speed.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default: 256)")
-    speed.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
+    speed.add_argument("--model", default="smollm2-135m", choices=MODELS[:1],
+                       help="the model both sides decode with (default: smollm2-135m)")
+    speed.add_argument("--target", type=positive_int, default=256, help="cache target T (default: 256)")
+    speed.add_argument("--interval", type=positive_int, default=16, help="compression interval I (default: 16)")
+    speed.add_argument("--new-tokens", type=positive_int, default=256, help="tokens generated per run (default: 256)")
+    speed.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats (default: 3)")
     for sub in (kept, speed):
-        sub.add_argument("--threads", type=int, default=1, help="torch threads on each side (default: 1)")
+        sub.add_argument("--threads", type=thread_count, default=1, help="torch threads on each side (default: 1)")
+        sub.add_argument("--max-memory", type=memory_size, default=None,
+                         help="the memory the kvscope side may use, with its unit (e.g. 8GiB): a setting whose "
+                         "estimated peak exceeds it is refused before it starts (default: this machine's memory)")
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-    if not VENV_PYTHON.exists():
-        raise SystemExit(f"{VENV_PYTHON} is missing: run bash bench/setup_kvpress.sh first")
-    if args.command == "kept" and not 0 < args.ratio < 1:
-        raise SystemExit(f"--ratio must be in (0, 1), got {args.ratio}")
+def _run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     set_threads(args.threads)
     {"kept": kept_command, "speed": speed_command}[args.command](args)
+    return 0
 
+
+main = main_guard(_run)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

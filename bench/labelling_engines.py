@@ -26,8 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import set_threads, table  # noqa: E402
-from core.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
+from core.cli import ArgumentParser, main_guard, memory_size, positive_int  # noqa: E402
 from core.errors import UsageError  # noqa: E402
+from labeling.job import check_labelling  # noqa: E402
 
 ENGINES = ("hf", "vllm")
 
@@ -70,6 +71,9 @@ def build_parser():
     parser.add_argument("--traces-per-batch", type=positive_int, default=defaults.traces_per_batch,
                         help=f"traces per unit (default {defaults.traces_per_batch})")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads for hf")
+    parser.add_argument("--max-memory", type=memory_size, default=None,
+                        help="the memory kvscope's labeller may use, with its unit (e.g. 8GiB): settings whose "
+                        "estimated peak exceeds it are refused before anything runs (default: this machine's memory)")
     parser.add_argument("--out", default=None, help="also write the tables, both label sets and config.json here")
     return parser
 
@@ -83,7 +87,6 @@ def _run(argv: list[str] | None) -> int:
     from validation.report import write_csv
 
     args = build_parser().parse_args(argv)
-    check_engine("vllm")
     config = OcclusionConfig(replacement=args.replacement, max_answer_tokens=args.max_answer_tokens,
                              include_incorrect=args.include_incorrect, force_answer=not args.no_force_answer,
                              traces_per_batch=args.traces_per_batch)
@@ -95,10 +98,12 @@ def _run(argv: list[str] | None) -> int:
         raise UsageError(f"--traces {args.traces!r}: the traces name {sorted(models)} and "
                          f"{sorted(datasets, key=str)}; give the traces of one model on one dataset")
     model, dataset = models.pop(), datasets.pop()
+    check_labelling(model, traces, config, args.max_memory, f"--traces {args.traces}")
     if args.threads is not None:
         set_threads(args.threads)
-    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads")}
+    identity = {k: v for k, v in vars(args).items() if k not in ("out", "threads", "max_memory")}
     with RunDir(args.out, identity) if args.out else contextlib.nullcontext() as run:
+        check_engine("vllm")  # last: every setting and --out are checked first, with or without vLLM here
         results, rows = {}, []
         for engine in ENGINES:
             labels, seconds, start_s = label_with(engine, traces, config, dataset, model)

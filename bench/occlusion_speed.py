@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -29,8 +28,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.cli import ArgumentParser, main_guard, positive_int  # noqa: E402
+from core.cli import ArgumentParser, check_output_file, main_guard, memory_size, positive_int, write_json  # noqa: E402
 from core.errors import UsageError  # noqa: E402
+from labeling.job import check_labelling  # noqa: E402
+
+# Tokens a generated trace's GSM8K prompt may take, for the memory check made before the traces exist.
+PROMPT_ALLOWANCE = 512
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads for both methods (default: torch's, all cores, as the labeller runs; "
                         "on a machine shared with other jobs, 1 avoids oversubscription)")
+    parser.add_argument("--max-memory", type=memory_size, default=None,
+                        help="the memory the labellers may use, with its unit (e.g. 8GiB): settings whose estimated "
+                        "peak exceeds it are refused before anything runs (default: this machine's memory)")
     parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     return parser
 
@@ -70,13 +76,24 @@ def _run(argv: list[str] | None) -> int:
 
     from core.schemas import Trace, read_records
     from labeling.labeler import OcclusionConfig, OcclusionLabeler, make_units
-    from models.loading import load_model
+    from models.loading import load_model, model_limits
     from tasks.generation import generate
+    from tasks.ruler import parse_name
 
     config = OcclusionConfig(window=args.window, stride=args.stride, replacement=args.replacement,
                              max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
                              traces_per_batch=args.traces_per_batch)
     traces = read_records(args.traces, Trace)[: args.limit] if args.traces is not None else []
+    if args.json:
+        check_output_file(Path(args.json), "--json")
+    limits = model_limits(args.model)
+    limits.check_flags({"--max-new-tokens": args.max_new_tokens, "--window": args.window})
+    generated = parse_name(args.dataset)
+    if generated is not None:
+        limits.check_tokens(f"dataset {args.dataset!r}: ruler length {generated.context_tokens}",
+                            generated.context_tokens)
+    check_labelling(args.model, traces, config, args.max_memory, f"--traces {args.traces}",
+                    lengths=[args.max_new_tokens + PROMPT_ALLOWANCE])
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")
@@ -128,14 +145,15 @@ def _run(argv: list[str] | None) -> int:
         "median_group_ratio": statistics.median(g["ratio"] for g in groups),
         "total_ratio": sum(g["naive_s"] for g in groups) / sum(g["fast_s"] for g in groups),
         "all_identical": all(r["identical"] for r in rows),
-        "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "threads": torch.get_num_threads()},
+        "settings": {**{k: v for k, v in vars(args).items() if k not in ("json", "max_memory")},
+                     "threads": torch.get_num_threads()},
     }
     print(f"\nnaive / fast: total {summary['total_ratio']:.2f}x (median over groups "
           f"{summary['median_group_ratio']:.2f}x) over {len(rows)} traces, {summary['windows']} windows, "
           f"{torch.get_num_threads()} thread(s), regeneration limit {args.max_answer_tokens}; labels identical: "
           f"{'yes' if summary['all_identical'] else 'NO'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "groups": groups, **summary}, indent=2) + "\n")
+        write_json(args.json, {"rows": rows, "groups": groups, **summary})
     return 0 if summary["all_identical"] else 1
 
 

@@ -24,7 +24,7 @@ more layer holds at the end of the forward: its weights, its KV cache, its kept 
 (`models.memory.layer_bytes`, checked against measurements at two depths in the tests) and its kept scores. The
 activations of the layer being computed, the embeddings and the last position's logits do not grow with depth.
 Those rows have ``extrapolated`` true; the figure draws them hollow. A configuration whose attention maps cannot
-fit in ``--memory-limit-gb`` is not run (marked oom, not measured), nor extrapolated. With a GPU
+fit in ``--max-memory`` is not run (marked oom, not measured), nor extrapolated. With a GPU
 (`bench/gpu_check.sh`) the full-depth model is measured directly.
 """
 
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, non_negative_float, positive_int  # noqa: E402
+from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int  # noqa: E402
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384)
 GB = 2**30
@@ -205,9 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-layers", type=positive_int, default=32,
                         help="depth the measured rows are extrapolated to when --layers is smaller (default: 32)")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (default: 1)")
-    parser.add_argument("--memory-limit-gb", type=non_negative_float, default=None,
-                        help="CPU: do not attempt a configuration whose attention maps alone exceed this (default: "
-                        "half the memory available at start, as the machine may be shared)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default: 1)")
     add_device_arguments(parser, dtype_default="bfloat16")
     parser.add_argument("--out", default="runs/prefill-memory",
@@ -219,15 +216,24 @@ def _run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import psutil
 
-    from bench.common import BIG, build_llama
+    from bench.common import BIG, build_llama, llama_config
+    from core.limits import MemoryLimit, ModelLimits
     from core.rundir import RunDir
+    from models.footprint import config_shape
     from models.loading import default_device
     from models.memory import write_rows
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device else default_device()
     layers = args.layers or (2 if device.type == "cpu" else BIG["num_hidden_layers"])
-    limit = (args.memory_limit_gb * GB if args.memory_limit_gb is not None
+    config = llama_config({**BIG, "num_hidden_layers": layers})
+    ModelLimits("the random-init 8B-shaped Llama", context=config.max_position_embeddings).check_flags(
+        {"--ctx": max(args.ctx)})
+    shape = config_shape(f"random-llama-8b-shape-{layers}-layers", config, getattr(torch, args.dtype).itemsize)
+    shape.weights().check(f"building {shape.model}", MemoryLimit.of(args.device, args.max_memory), "lower --layers")
+    # A context whose maps would not fit is a row marked oom, what this measures; without --max-memory the CPU limit
+    # is half the memory available at start, as the machine may be shared.
+    limit = (args.max_memory if args.max_memory is not None
              else psutil.virtual_memory().available // 2 if device.type == "cpu" else None)
     identity = {**{k: v for k, v in vars(args).items() if k not in ("out", "threads")}, "layers": layers}
     with RunDir(args.out, identity) as run:

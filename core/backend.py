@@ -53,10 +53,15 @@ from typing import Any, TypeVar
 
 from core.cli import non_negative_float, positive_int
 from core.errors import UsageError, unknown_choice
-from core.limits import cpu_count
+from core.limits import Footprint, cpu_count
 
 BACKENDS = ("serial", "ray")
 CONNECT_TIMEOUT_S = 10
+# Ray counts resources in steps of 1/10000 and refuses a smaller nonzero reservation.
+RAY_RESOURCE_STEP = 1e-4
+# Workers a core may host: each is a process holding its own model, so beyond a few per core they only take turns
+# on it (a worker that drives a GPU mostly waits, which is what the few allow), and Ray times out starting hundreds.
+WORKERS_PER_CPU = 4
 
 U = TypeVar("U")
 W = TypeVar("W")
@@ -87,6 +92,12 @@ class BackendConfig:
         if self.gpus_per_worker < 0 or self.cpus_per_worker < 0:
             raise UsageError(f"--gpus-per-worker and --cpus-per-worker must be >= 0, got {self.gpus_per_worker} "
                              f"and {self.cpus_per_worker}")
+        for flag, each in (("--cpus-per-worker", self.cpus_per_worker), ("--gpus-per-worker", self.gpus_per_worker)):
+            steps = each / RAY_RESOURCE_STEP
+            if each and (steps < 1 or abs(steps - round(steps)) > 1e-6):
+                step = f"{RAY_RESOURCE_STEP:.4f}"
+                raise UsageError(f"{flag} {each:.10f}".rstrip("0") + f" is not a reservation Ray can make: it counts "
+                                 f"resources in steps of {step}; give 0 or a multiple of {step}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise UsageError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         if self.backend == "serial":
@@ -105,6 +116,19 @@ class BackendConfig:
     def from_flags(cls, flags: Mapping[str, Any]) -> BackendConfig:
         """The backend among a CLI's parsed flags (`add_backend_arguments`)."""
         return cls(**{f.name: flags[f.name] for f in dataclasses.fields(cls) if f.name in flags})
+
+    @property
+    def local_workers(self) -> int:
+        """The Ray workers started on this machine (a local instance's); 0 for the serial backend and a cluster."""
+        return self.workers if self.backend == "ray" and self.address is None else 0
+
+    def footprint(self, driver: Footprint, worker: Footprint) -> Footprint:
+        """What this machine holds: the driver's own `driver` footprint, and `worker` once per Ray worker started
+        here (each loads its own model); the serial backend's driver is its worker, a cluster's workers run on its
+        machines."""
+        if self.backend == "serial":
+            return worker
+        return driver + worker.times(self.local_workers) if self.local_workers else driver
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +209,13 @@ def local_resources(config: BackendConfig) -> dict[str, float]:
 
 
 def _check_capacity(config: BackendConfig, resources: Mapping[str, float]) -> None:
-    """Refuse a request the cluster cannot place, rather than wait forever for workers that never start."""
+    """Refuse a request the cluster cannot place, rather than wait forever for workers that never start: more
+    workers than `WORKERS_PER_CPU` per core, or reservations beyond its CPUs or GPUs."""
+    cpus = resources.get("CPU", 0.0)
+    if config.workers > WORKERS_PER_CPU * cpus:
+        raise UsageError(f"--workers {config.workers} is more than {_describe_cluster(config)} can run: it has "
+                         f"{cpus:g} CPU cores, room for {WORKERS_PER_CPU * cpus:g} workers ({WORKERS_PER_CPU} per "
+                         "core, each holding its own model); lower --workers")
     for kind, each, flag in (("CPU", config.cpus_per_worker, "--cpus-per-worker"),
                              ("GPU", config.gpus_per_worker, "--gpus-per-worker")):
         have = resources.get(kind, 0.0)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,13 +34,22 @@ class Main(Protocol):
 
 
 def main_guard(main: Callable[[list[str] | None], int | None]) -> Main:
-    """Wrap a CLI `main` so a `UsageError` becomes one line on stderr and exit status 2."""
+    """Wrap a CLI `main` so a `UsageError`, or a path with a name too long for the file system, becomes one line on
+    stderr and exit status 2."""
 
     def guarded(argv: list[str] | None = None) -> int:
         try:
             return main(argv) or 0
         except UsageError as err:
             print(f"{program_name()}: error: {err}", file=sys.stderr)
+            return USAGE_EXIT_CODE
+        except OSError as err:
+            # kvscope names no file longer than the file system takes, so such a name came from the command line;
+            # it fails wherever the path is first touched (even `Path.exists` raises), before anything is written
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            print(f"{program_name()}: error: {err.filename!r}: a name in this path is longer than the file system "
+                  "takes; give a shorter path", file=sys.stderr)
             return USAGE_EXIT_CODE
 
     return guarded
@@ -58,9 +68,12 @@ class ArgumentParser(argparse.ArgumentParser):
         namespace, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(namespace, action.dest, None)
+            name = "/".join(action.option_strings) or action.dest
+            many = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+            if many and isinstance(value, list) and value is not action.default:
+                distinct(name, " ".join(map(str, value)), value)
             if value is action.default or action.type not in (None, float):
                 continue
-            name = "/".join(action.option_strings) or action.dest
             for item in value if isinstance(value, list) else [value]:
                 if action.type is None and isinstance(item, str) and not item.strip():
                     raise UsageError(f"argument {name}: the value is empty; give one, or leave the flag out for its "
@@ -68,6 +81,16 @@ class ArgumentParser(argparse.ArgumentParser):
                 if action.type is float and isinstance(item, float) and not math.isfinite(item):
                     raise UsageError(f"argument {name}: must be a finite number, got {item}")
         return namespace, extras
+
+
+def distinct(flag: str, text: str, items: Sequence[Any]) -> None:
+    """Refuse a list flag (`text` as given) naming an item twice: a repeated budget, layer, policy or file would be
+    run, or counted, twice, or silently merged, and is always a slip."""
+    seen: set[Any] = set()
+    for item in items:
+        if item in seen:
+            raise UsageError(f"{flag} {text!r} gives {item} twice; give each once")
+        seen.add(item)
 
 
 def program_name() -> str:
@@ -125,6 +148,16 @@ def thread_count(text: str) -> int:
     return value
 
 
+def memory_size(text: str) -> int:
+    """argparse type for ``--max-memory``: an amount of memory with its unit (``16GiB``, ``512MB``), in bytes."""
+    from core.limits import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def non_negative_float(text: str) -> float:
     """argparse type for temperatures and other finite quantities >= 0."""
     value = _number(text, float)
@@ -138,6 +171,14 @@ def unit_interval(text: str) -> float:
     value = _number(text, float)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def open_unit_interval(text: str) -> float:
+    """argparse type for a significance or confidence level: a probability strictly between 0 and 1."""
+    value = _number(text, float)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
     return value
 
 
@@ -176,12 +217,46 @@ def available_devices() -> list[str]:
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, *, dtype_default: str | None = None) -> None:
-    """``--device`` and ``--dtype``, validated the same way by every CLI that loads a model."""
+    """``--device``, ``--dtype`` and ``--max-memory``, validated the same way by every CLI that loads a model; the
+    CLI checks its request's estimated peak against the memory limit (`core.limits.MemoryLimit`) before it starts."""
     parser.add_argument("--device", type=device, default=None,
                         help="torch device: cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     default_text = dtype_default or "bfloat16 on CUDA, float32 on CPU"
     parser.add_argument("--dtype", default=dtype_default, choices=DTYPES,
                         help=f"weights dtype (default: {default_text})")
+    parser.add_argument("--max-memory", type=memory_size, default=None,
+                        help="the memory this run may use, with its unit (e.g. 8GiB): a request whose estimated "
+                        "peak exceeds it is refused before it starts (default: all of the device's memory; "
+                        "docs/limits.md)")
+
+
+def check_output_file(path: Path, flag: str = "--out") -> None:
+    """Refuse an output file path that cannot become a file (a name too long, a directory, a path below a file, a
+    place no file can be created), before any work starts."""
+    check_file_name(flag, path.name, path.parent)
+    if path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a directory; give a file name")
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    try:  # a real write, removed at once: permission bits do not bind root, and /proc or a read-only mount refuse
+        if not parent.is_dir():
+            raise NotADirectoryError(str(parent))
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError:
+        raise UsageError(f"{flag} {str(path)!r}: cannot create files under {str(parent)!r}") from None
+
+
+# `atomic_write` writes through ``.<name>.<8 random characters>.tmp`` beside the file.
+_TEMPORARY_EXTRA = len("...tmp") + 8
+
+
+def check_file_name(flag: str, name: str, directory: str | os.PathLike = ".") -> None:
+    """Refuse a file name the file system under `directory` cannot hold, with `atomic_write`'s temporary name beside
+    it, before anything is written: longer than its limit on a name (255 bytes on most)."""
+    existing = next((p for p in (Path(directory), *Path(directory).parents) if p.is_dir()), Path("."))
+    limit = os.pathconf(existing, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    if len(os.fsencode(name)) + _TEMPORARY_EXTRA > limit:
+        raise UsageError(f"{flag} {name!r} is too long a file name: {len(os.fsencode(name))} bytes, where this file "
+                         f"system takes {limit - _TEMPORARY_EXTRA} at most")
 
 
 @contextlib.contextmanager

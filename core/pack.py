@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
+import zlib
 from pathlib import Path
 
 from core.cli import ArgumentParser, atomic_write, main_guard
@@ -86,19 +87,36 @@ def commit(source: Path, out: Path, gzipped: tuple[str, ...] = GZIPPED) -> tuple
 
 
 def restore(source: Path, out: Path) -> tuple[int, int]:
-    """Copy committed folder `source` to `out`, unpacking each ``.gz``; (files written, of them unpacked)."""
+    """Copy committed folder `source` to `out`, unpacking each ``.gz``; (files written, of them unpacked). Every
+    ``.gz`` is read through before the first file is written, so a damaged one (not gzip, cut short) leaves --out
+    as it was."""
+    files = _files(source)
+    for relative in files:
+        if relative.suffix == ".gz":
+            _unpack(source / relative, check_only=True)
     written = unpacked = 0
-    for relative in _files(source):
+    for relative in files:
         data, target = (source / relative).read_bytes(), out / relative
         if relative.suffix == ".gz":
-            try:
-                data, target = gzip.decompress(data), target.with_suffix("")
-            except (gzip.BadGzipFile, EOFError) as err:
-                raise UsageError(f"--source {str(source / relative)!r} is not a whole gzip file ({err})") from None
+            data, target = _unpack(source / relative), target.with_suffix("")
             unpacked += 1
         _replace(target, target.with_name(target.name + ".gz"), data)
         written += 1
     return written, unpacked
+
+
+def _unpack(path: Path, check_only: bool = False) -> bytes:
+    """The content of gzip file `path` (read in pieces and dropped with `check_only`, to check a large file whole
+    without holding it); a file that is not gzip or is cut short is a `UsageError` naming it."""
+    pieces = []
+    try:
+        with gzip.open(path, "rb") as handle:
+            while piece := handle.read(2**24):
+                if not check_only:
+                    pieces.append(piece)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise UsageError(f"--source {str(path)!r} is not a whole gzip file ({err})") from None
+    return b"".join(pieces)
 
 
 def check_directories(source: Path, out: Path, restoring: bool) -> None:

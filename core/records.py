@@ -54,6 +54,43 @@ def parse_line(line: bytes, path: Path, number: int) -> dict[str, Any]:
     return record
 
 
+def read_resumable(path: Path, key: Callable[[dict[str, Any]], Hashable]
+                   ) -> tuple[list[dict[str, Any]], int, int]:
+    """The finished records of a file to resume, the bytes they take (a torn last line, what a crash leaves, is not
+    counted) and the file's size. A file that is not a store keyed by `key` (a line that is not a JSON object, a
+    record without its key, a key twice) is a `UsageError` naming the file and the line; nothing is changed."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"{path}: cannot read it to resume ({err.strerror or err})") from None
+    lines = raw.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]
+    good_bytes = len(raw) - len(tail)
+    resume = "; refusing to resume: move the file away or use another --out"
+    records: list[dict[str, Any]] = []
+    done: set[Hashable] = set()
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_line(line, path, number)
+        except UsageError as err:
+            if number == len(complete) and not tail and line.lstrip().startswith(b"{"):
+                good_bytes -= len(line) + 1  # a record cut short by a crash: the newline came first
+                break
+            raise UsageError(f"{err}{resume}") from None
+        try:
+            found = key(record)
+        except (KeyError, TypeError, ValueError) as err:
+            detail = f"no {err}" if isinstance(err, KeyError) else str(err)
+            raise UsageError(f"{path}: line {number} is not a record of this run ({detail}){resume}") from None
+        if found in done:
+            raise UsageError(f"{path}: line {number} repeats the record {found!r}{resume}")
+        records.append(record)
+        done.add(found)
+    return records, good_bytes, len(raw)
+
+
 class JsonlStore:
     """A resumable JSONL file keyed by `key(record)`.
 
@@ -62,49 +99,25 @@ class JsonlStore:
     """
 
     def __init__(self, path: str | os.PathLike, key: Callable[[dict[str, Any]], Hashable],
-                 on_append: Callable[[], None] | None = None):
+                 before_append: Callable[[], None] | None = None):
         self.path = Path(path)
         self.key = key
-        self.on_append = on_append  # told once a record is written (`core.rundir` keeps results from then on)
+        # called before each record is written (`core.rundir` writes the run's configuration before its first record)
+        self.before_append = before_append
         self.records: list[dict[str, Any]] = []
         self.done: set[Hashable] = set()
         if self.path.exists():
             self._load_and_repair()
 
     def _load_and_repair(self) -> None:
-        """Read the finished records, refusing (before anything is changed) a file that is not this store's: a line
-        that is not a JSON object, a record without its key, a key twice. Only then is a torn last line dropped."""
-        try:
-            raw = self.path.read_bytes()
-        except OSError as err:
-            raise UsageError(f"{self.path}: cannot read it to resume ({err.strerror or err})") from None
-        lines = raw.split(b"\n")
-        complete, tail = lines[:-1], lines[-1]
-        good_bytes = len(raw) - len(tail)
-        resume = "; refusing to resume: move the file away or use another --out"
-        for number, line in enumerate(complete, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = parse_line(line, self.path, number)
-            except UsageError as err:
-                if number == len(complete) and not tail and line.lstrip().startswith(b"{"):
-                    good_bytes -= len(line) + 1  # a record cut short by a crash: the newline came first
-                    break
-                raise UsageError(f"{err}{resume}") from None
-            try:
-                key = self.key(record)
-            except (KeyError, TypeError, ValueError) as err:
-                detail = f"no {err}" if isinstance(err, KeyError) else str(err)
-                raise UsageError(f"{self.path}: line {number} is not a record of this run ({detail}){resume}") from None
-            if key in self.done:
-                raise UsageError(f"{self.path}: line {number} repeats the record {key!r}{resume}")
-            self.records.append(record)
-            self.done.add(key)
-        if good_bytes != len(raw):
+        """Read the finished records, refusing (before anything is changed) a file that is not this store's
+        (`read_resumable`); only then is a torn last line dropped."""
+        self.records, good_bytes, size = read_resumable(self.path, self.key)
+        self.done = {self.key(record) for record in self.records}
+        if good_bytes != size:
             with self.path.open("r+b") as handle:
                 handle.truncate(good_bytes)
-            print(f"{self.path}: dropped a torn last line ({len(raw) - good_bytes} bytes) left by an interrupted "
+            print(f"{self.path}: dropped a torn last line ({size - good_bytes} bytes) left by an interrupted "
                   "run; that record will be made again", file=sys.stderr)
 
     def __contains__(self, key: Hashable) -> bool:
@@ -112,6 +125,8 @@ class JsonlStore:
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, default=_to_builtin) + "\n"
+        if self.before_append is not None:
+            self.before_append()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as handle:
             handle.write(line)
@@ -119,8 +134,6 @@ class JsonlStore:
             os.fsync(handle.fileno())
         self.records.append(json.loads(line))
         self.done.add(self.key(record))
-        if self.on_append is not None:
-            self.on_append()
 
 
 def _to_builtin(value: Any) -> Any:

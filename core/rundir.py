@@ -13,11 +13,13 @@ Every stage that writes results (`tasks.run`, `evictor.run`, `labeling.occlusion
    Paths compare in their portable spelling (`core.paths`), so a committed run, its paths spelled that way, resumes
    in any checkout.
 
-On exit the lock is released; a directory this run created and left empty is removed, and a run that fails before
-it stores its first record (bad input discovered after the claim: an unloadable model, a damaged file to resume)
-puts back the configuration it replaced, so it leaves the directory as it found it. Resuming refuses, before
-anything is written, a result file that is not the run's (a line that is not a record, a record without its key, a
-key twice: `core.records.JsonlStore`).
+Nothing in the directory is written before the run has read what it resumes: `save_config` holds the configuration
+in memory until the run stores its first record (written just before it, so no record is ever without its
+configuration) or ends without an error. A run refused or failed before then (bad input discovered after the claim:
+an unloadable model, a request that does not fit, a damaged file to resume) leaves every file as it found it, at
+whatever moment it is stopped. Resuming refuses, before anything is written, a result file that is not the run's (a
+line that is not a record, a record without its key, a key twice: `core.records.JsonlStore`). On exit the lock is
+released, and a directory this run created and left empty is removed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.cli import atomic_write, write_json
+from core.cli import write_json
 from core.errors import UsageError
 from core.paths import portable, roots
 from core.records import JsonlStore
@@ -105,8 +107,8 @@ class RunDir:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and not self._writes.appended:
-            self._writes.roll_back()
+        if exc_type is None:
+            self._writes.flush()
         self.release()
 
     def claim(self) -> RunDir:
@@ -171,17 +173,16 @@ class RunDir:
         self._created = []
 
     # --- contents ---------------------------------------------------------------------------------------------------
-    def save_config(self, **extra: Any) -> Path:
-        """Write the resolved configuration: the identity plus whatever else describes the run. Until the first
-        record is stored, a run that fails puts back the configuration it replaced (`_Writes`)."""
-        self._writes.before_writing(self.config_path)
-        return write_json(self.config_path, {"identity": self.identity, **extra})
+    def save_config(self, **extra: Any) -> None:
+        """The resolved configuration: the identity plus whatever else describes the run. It is written when the run
+        stores its first record or ends without an error, whichever comes first (`_Writes`), at once after that."""
+        self._writes.config(self.config_path, {"identity": self.identity, **extra})
 
     def store(self, name: str, key: str | Callable[[dict[str, Any]], Hashable] = "id") -> JsonlStore:
         """A resumable JSONL file in this directory, its records keyed by field `key` (or a key function); a file
         that is not this store's is refused before anything is written."""
         key_of = functools.partial(_field_key, key) if isinstance(key, str) else key
-        return JsonlStore(self.path / name, key=key_of, on_append=self._writes.stored)
+        return JsonlStore(self.path / name, key=key_of, before_append=self._writes.flush)
 
     def child(self, name: str, identity: Mapping[str, Any]) -> RunDir:
         """A subdirectory with its own identity (a cell of a sweep), covered by this directory's lock."""
@@ -192,34 +193,25 @@ class RunDir:
 
 
 class _Writes:
-    """What a run has written, so that a run refused or failed before its first record leaves its directory as it
-    found it: the configuration files it replaced (their earlier bytes, None for a new file) and the directories it
-    made for them. Once a record is stored the run's files are results and stay, whatever happens next."""
+    """The configurations a run has saved (its own and its cells', shared with `RunDir.child`) but not yet written:
+    held until the run stores its first record, so that a run refused or failed before then has changed nothing,
+    and written from then on as they are saved."""
 
     def __init__(self) -> None:
-        self.appended = False
-        self.replaced: dict[Path, bytes | None] = {}
-        self.made: list[Path] = []
+        self.pending: dict[Path, dict[str, Any]] = {}
+        self.started = False
 
-    def before_writing(self, path: Path) -> None:
-        if path not in self.replaced:
-            self.made += [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-            self.replaced[path] = path.read_bytes() if path.is_file() else None
+    def config(self, path: Path, config: dict[str, Any]) -> None:
+        self.pending[path] = config
+        if self.started:
+            self.flush()
 
-    def stored(self) -> None:
-        self.appended = True
-
-    def roll_back(self) -> None:
-        for path, earlier in self.replaced.items():
-            with contextlib.suppress(OSError):
-                if earlier is None:
-                    path.unlink()
-                else:
-                    with atomic_write(path, "wb") as handle:
-                        handle.write(earlier)
-        for directory in self.made:  # innermost first
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+    def flush(self) -> None:
+        """Write every held configuration (the run is storing a record, or has ended without an error)."""
+        self.started = True
+        while self.pending:
+            path, config = self.pending.popitem()
+            write_json(path, config)
 
 
 def _field_key(name: str, record: dict[str, Any]) -> str:

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, save_config, write_json
-from core.errors import UsageError
+from core.cli import (
+    ArgumentParser,
+    add_device_arguments,
+    check_output_file,
+    main_guard,
+    positive_int,
+    save_config,
+    write_json,
+)
+from core.limits import Footprint, MemoryLimit
 from evictor.calibration import dense_traces
 from evictor.calibration.thinkv import DEFAULT_BAND_ORDER, DEFAULT_TAU, check_band_order
 from signals.traces import traces_model
@@ -57,26 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_output(path: Path) -> None:
-    """Refuse an --out that cannot become a file, before any model is loaded."""
-    if path.is_dir():
-        raise UsageError(f"--out {str(path)!r} is a directory; give a file name")
-    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
-    try:  # a real write, removed at once: permission bits do not bind root, and /proc or a read-only mount refuse
-        if not parent.is_dir():
-            raise NotADirectoryError(str(parent))
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError:
-        raise UsageError(f"--out {str(path)!r}: cannot create files under {str(parent)!r}") from None
+def check_calibration_memory(model: str, traces: list, args: argparse.Namespace) -> None:
+    """Refuse a calibration that would need more memory than the device has or --max-memory allows: one forward
+    over the longest trace read (at most --max-tokens) and, for ThinKV's attention sparsity, one layer's attention
+    maps at a time (logits, probabilities and the sparsity ranks, fp32)."""
+    from models.footprint import FP32, forward_footprint, model_shape
+
+    shape = model_shape(model, args.dtype, args.device)
+    tokens = max(len(trace.token_ids) for trace in traces)
+    if args.max_tokens is not None:
+        tokens = min(tokens, args.max_tokens)
+    maps = 3 * shape.q_heads * tokens * tokens * FP32 if args.method == "thinkv" else 0
+    (forward_footprint(shape, 1, tokens) + Footprint((("attention maps", maps),))).check(
+        f"{model} calibrating {args.method} on traces of up to {tokens} tokens",
+        MemoryLimit.of(args.device, args.max_memory), "lower --max-tokens")
 
 
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out).expanduser()
-    check_output(out)
+    check_output_file(out)
     band_order = check_band_order(args.band_order.split(",")) if args.method == "thinkv" else None
     traces = dense_traces(args.traces, args.limit)
     model_name = traces_model(traces, args.model, f"--traces {args.traces}")
+    check_calibration_memory(model_name, traces, args)
 
     from tqdm import tqdm
 

@@ -28,6 +28,7 @@ sliding-window layers first, and selects.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -38,12 +39,14 @@ import numpy as np
 import torch
 
 from core.errors import UsageError
+from core.limits import Footprint
 from evictor.attention import AttentionFeed
 from evictor.cache import EvictingCache, position_mask
 from evictor.instrument import KeepLog, MemoryMeter, SpanTimer
 from evictor.policies import get_policy
 from evictor.protocol import EvictionConfig, RoundPlan, SequenceBudgets, plan_round, sequence_budgets
 from models.attention import layer_kinds
+from models.footprint import FP32, ModelShape
 from models.hooks import capture, decoder_layers, hook_name
 from models.kernels import require_flash
 from models.lm import LoadedModel, attention_kernel
@@ -105,15 +108,12 @@ class EvictionEngine:
         self.protect = self.config.protect or policy.default_protection
         self.shared = bool(policy.shared_across_heads or self.config.shared)
         self.shared_layers = bool(policy.shared_across_layers)
-        self.observes = type(policy).observe is not Policy.observe
+        self.observes = observes(policy)
         self.kernel = attention_kernel(self.model)
         self.has_sliding = "sliding_attention" in layer_kinds(cfg)
         if self.kernel == "flash_attention_2" and self.has_sliding:
             raise UsageError("flash_attention_2 cannot take the per-head sliding-window masks eviction needs; use sdpa")
-        # queries the policy's attention covers: 0 = every query since each slot's entry
-        self.query_window: int | None = None
-        if self.needs.attention:
-            self.query_window = self.config.query_window or self.needs.queries_window
+        self.query_window = query_window(policy, self.config)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -208,6 +208,69 @@ class EvictionEngine:
             return session.result(generated, reasons)
 
 
+def observes(policy: Policy) -> bool:
+    """Whether `policy` freezes a score when a token is produced (`Policy.observe`)."""
+    return type(policy).observe is not Policy.observe
+
+
+def query_window(policy: Policy, config: EvictionConfig) -> int | None:
+    """The queries `policy`'s attention covers (0: every query since each slot's entry); None when it reads none."""
+    return (config.query_window or policy.needs.queries_window) if policy.needs.attention else None
+
+
+def slot_tensors(policy: Policy, config: EvictionConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The per-slot tensors a session's cache carries beside keys and values for `policy`: its frozen scores and
+    its attention feed's."""
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if observes(policy):
+        tensors[FROZEN] = ((), torch.float32)
+    if policy.needs.attention:
+        tensors.update(AttentionFeed.slot_tensors(query_window(policy, config) or 0, policy.needs.refresh_threshold))
+    return tensors
+
+
+def cache_capacity(config: EvictionConfig, budgets: Sequence[int], width: int, steps: int, never: bool) -> int:
+    """The slots a session's cache is allocated for: a policy that never evicts holds the longest prompt (`width`)
+    and every step; one that evicts holds its largest effective K, the buffer, a round's period and a prefill block
+    between rounds (never more than the sequence itself)."""
+    block = width if never else config.block
+    steady = width + steps if never else max(budgets) + config.buffer + config.period + block + 1
+    return min(steady, width + max(steps, 1))
+
+
+def eviction_footprint(shape: ModelShape, policy: Policy, config: EvictionConfig, prompt_lens: Sequence[int],
+                       steps: int, batch_size: int, *, budget: int | None = None, eager: bool = False) -> Footprint:
+    """The peak memory of `EvictionEngine.generate` over prompts of `prompt_lens` tokens in batches of
+    `batch_size`, each for `steps` tokens (forced ones included), with `budget` the largest K a sequence is given
+    (None: the config's; `models.footprint` says what each part counts).
+
+    The cache holds, per layer and slot, keys, values, their position and the policy's slot tensors
+    (`slot_tensors`), for `cache_capacity` slots; a round's gather copies one layer of it. The largest forward is a
+    prefill block over the cache (the whole prompt for a policy that never evicts), plus what the policy reads
+    there: the attention feed's logits, probabilities and group rows in fp32 (``[rows, q_heads, block, slots]``)
+    and the residual streams it captures. `eager`: the model runs the eager kernel."""
+    rows = min(batch_size, len(prompt_lens))
+    width = max(prompt_lens)
+    never = policy.scores_nothing
+    budgets: Sequence[int] = []
+    if not never:
+        asked = budget if budget is not None else config.budget if config.budget is not None else width + steps
+        protect = config.protect or policy.default_protection
+        budgets = sequence_budgets([asked] * len(prompt_lens), prompt_lens, protect, config, None,
+                                   policy.kept_recent).budgets
+    capacity = cache_capacity(config, budgets, width, steps, never)
+    extra = sum(math.prod(shape_) for shape_, _ in slot_tensors(policy, config).values())
+    per_slot = shape.kv_heads * (2 * shape.head_dim * shape.itemsize + FP32 * (1 + extra))  # + int32 position
+    layer = rows * capacity * per_slot
+    queries = min(width, capacity if never else config.block)
+    feed = 3 * rows * shape.q_heads * queries * capacity * FP32 if policy.needs.attention else 0
+    hidden = len(policy.needs.hidden_layers) * rows * queries * shape.hidden * shape.itemsize
+    return shape.weights() + Footprint((
+        ("KV cache", shape.layers * layer + layer),
+        ("forward", shape.forward_bytes(rows, queries, capacity, eager=eager) + feed + hidden),
+    ))
+
+
 def _eos_ids(lm: LoadedModel) -> set[int]:
     """The same stop tokens as plain generation (`tasks.generation`): EOS ids and single-token chat end markers."""
     return set(stop_token_ids(lm.tokenizer, lm.model))
@@ -246,23 +309,15 @@ class Session:
         width = max(self.prompt_lens)
         self.pad = [width - n for n in self.prompt_lens]
         self.block = width if self.never else config.block
-        steady = (width + max_new_tokens if self.never
-                  else max(self.budgets) + config.buffer + config.period + self.block + 1)
         cfg = self.model.config
         self.n_kv = cfg.num_key_value_heads
         self.n_rep = cfg.num_attention_heads // self.n_kv
-        window = engine.query_window or 0
-        slot_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        if self.engine.observes:
-            slot_tensors[FROZEN] = ((), torch.float32)
-        refresh = engine.needs.refresh_threshold
-        if engine.needs.attention:
-            slot_tensors.update(AttentionFeed.slot_tensors(window, refresh))
-        self.cache = EvictingCache(cfg, min(steady, width + max(max_new_tokens, 1)), slot_tensors)
+        capacity = cache_capacity(config, self.budgets, width, max_new_tokens, self.never)
+        self.cache = EvictingCache(cfg, capacity, slot_tensors(self.policy, config))
         self.feed: AttentionFeed | None = None
         if engine.needs.attention:
-            self.feed = AttentionFeed(self.model, self.cache, window, batch, self.device, refresh,
-                                      engine.needs.attention_group)
+            self.feed = AttentionFeed(self.model, self.cache, engine.query_window or 0, batch, self.device,
+                                      engine.needs.refresh_threshold, engine.needs.attention_group)
         self.states: list[dict[str, Any]] = [{} for _ in range(engine.n_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.n_valid = [0] * batch

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from core.cli import distinct
 from core.errors import UsageError, unknown_choice
 from core.schemas import check_field_types
 from evictor.calibration import CalibratedPolicy, calibrate_command
@@ -20,9 +21,9 @@ from evictor.policies import POLICIES, get_policy, policy_names
 from scoring.policy import Policy
 
 
-def choose_policies(text: str) -> list[str]:
-    """Registered policy names from a CLI value: one name, a comma list (duplicates dropped) or 'all'; an unknown
-    name is a `UsageError` with a did-you-mean hint."""
+def choose_policies(text: str, flag: str = "--policy") -> list[str]:
+    """Registered policy names from a CLI value: one name, a comma list or 'all'; an unknown name is a `UsageError`
+    with a did-you-mean hint, a name given twice one too."""
     names = policy_names()
     if text.strip() == "all":
         return names
@@ -34,7 +35,8 @@ def choose_policies(text: str) -> list[str]:
     for name in chosen:
         if name not in names:
             raise unknown_choice("policy", name, names)
-    return list(dict.fromkeys(chosen))
+    distinct(flag, text, chosen)
+    return chosen
 
 
 def read_policy_config(path: str | os.PathLike, flag: str = "--policy-config") -> tuple[str, dict[str, Any]]:
@@ -80,7 +82,7 @@ def select_policies(text: str | None, configured: Mapping[str, Any],
     A configured policy that `text` does not name is added: a configuration file given is a policy to run."""
     if not text:
         raise UsageError(f"give {flag} (a name, a comma list or 'all') or --policy-config")
-    names = choose_policies(text)
+    names = choose_policies(text, flag)
     names += [name for name in configured if name not in names]
     if text.strip() != "all":
         return names, []

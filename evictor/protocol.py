@@ -68,7 +68,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
+from core.cli import distinct
 from core.errors import UsageError, unknown_choice
+from tasks.sampling import check_sampling
 
 TRIGGERS = ("interval", "step")
 PROTECTIONS = ("prompt", "sinks", "none")
@@ -156,13 +158,9 @@ def parse_budget(text: str, flag: str = "--budget") -> Budget:
 def parse_budgets(text: str, flag: str = "--budget") -> tuple[Budget, ...]:
     """A comma list of budgets (`parse_budget`) in the order given; a budget given twice is refused (each budget is
     one cell of a sweep)."""
-    budgets: list[Budget] = []
-    for part in str(text).split(","):
-        budget = parse_budget(part, flag)
-        if budget in budgets:
-            raise UsageError(f"{flag} {text!r} gives {part.strip()} twice; give each budget once")
-        budgets.append(budget)
-    return tuple(budgets)
+    budgets = tuple(parse_budget(part, flag) for part in str(text).split(","))
+    distinct(flag, text, budgets)
+    return budgets
 
 
 @dataclass(frozen=True)
@@ -381,8 +379,6 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        from tasks.generation import check_sampling  # imported here: transformers stays out of `--help`
-
         try:
             check_sampling(self.temperature, self.top_p)
         except ValueError as err:

@@ -64,6 +64,7 @@ import torch
 
 from core.cli import ArgumentParser, add_device_arguments, main_guard, non_negative_int, positive_int, seed_int
 from core.errors import UsageError
+from core.limits import MemoryLimit
 from core.schemas import Signal, Trace
 from core.seeds import derive_seed
 from evictor.calibration import CalibratedPolicy
@@ -271,6 +272,24 @@ def chosen_policies(text: str | None, config_files: Sequence[str]) -> dict[str, 
     return chosen
 
 
+def check_replay_memory(model: str, policies: Mapping[str, Mapping[str, Any]], config: ReplayConfig,
+                        traces: Sequence[Trace], args: argparse.Namespace) -> None:
+    """Refuse a replay whose largest policy would need more memory than the device has or --max-memory allows: a
+    session holding a whole trace (nothing is evicted) with what the policy reads (`eviction_footprint`)."""
+    from evictor.engine import eviction_footprint
+    from models.footprint import model_shape
+
+    shape = model_shape(model, args.dtype, args.device)
+    prompt = max(len(trace.prompt_ids) for trace in traces)
+    longest = max(len(trace.token_ids) for trace in traces)
+    eviction = config.protocol()
+    footprint = max((eviction_footprint(shape, configured_policy(name, dict(params)), eviction, [prompt],
+                                        longest - prompt, 1, budget=longest) for name, params in policies.items()),
+                    key=lambda footprint: footprint.total)
+    footprint.check(f"{model} replaying traces of up to {longest} tokens (--traces {args.traces})",
+                    MemoryLimit.of(args.device, args.max_memory), "use shorter traces or a smaller --query-window")
+
+
 def _run(argv: list[str] | None) -> int:
     from models.loading import model_limits
     from signals.traces import claim_output, read_dense_traces, traces_model
@@ -284,6 +303,7 @@ def _run(argv: list[str] | None) -> int:
     model_name = traces_model(traces, args.model, f"--traces {args.traces}")
     model_limits(model_name).check_flags({"--teacher-block": config.teacher_block,
                                           "--query-window": config.query_window})
+    check_replay_memory(model_name, policies, config, traces, args)
     out = Path(args.out)
     # Policy.config() holds what the parameters resolve to (a calibration file's digest): a changed file is refused.
     identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "dtype": args.dtype,

@@ -22,6 +22,7 @@ from typing import Any
 from core.backend import BackendConfig, connected, run_units
 from core.cli import atomic_write
 from core.errors import UsageError
+from core.limits import Footprint, MemoryLimit
 from core.paths import portable_path
 from core.rundir import RunDir, check_identity
 from core.schemas import Cell, Trace, read_records
@@ -92,6 +93,43 @@ class SweepConfig:
         if generated != sampling:
             raise UsageError(f"the generation samples with {generated} but protocol {self.protocol!r} with {sampling}; "
                              "give the protocol's sampling to both (protocol_settings and the GenerationConfig)")
+
+    def footprint(self, prompt_lens: Mapping[str, int], forced: int, reference: Mapping[str, int] | None
+                  ) -> Footprint:
+        """The peak memory of the sweep's largest cell (cells run one after another) over problems whose prompts
+        have `prompt_lens` tokens (id -> length) and whose forced traces at most `forced`
+        (`evictor.engine.eviction_footprint`; fractional budgets resolve as `problem_budgets` does)."""
+        from evictor.engine import eviction_footprint
+        from models.footprint import model_shape
+
+        generation = self.generation
+        shape = model_shape(generation.model, generation.dtype, generation.device)
+        policies = make_policies(self)
+        footprints = []
+        for cell in sweep_cells(self):
+            budgets = problem_budgets(cell, list(prompt_lens), reference, generation.max_new_tokens)
+            footprints.append(eviction_footprint(
+                shape, policies[cell.policy], self.protocol_for(cell.budget).config, list(prompt_lens.values()),
+                forced + generation.max_new_tokens, self.batch_size, budget=max(budgets) if budgets else None,
+                eager=self.kernel == "eager"))
+        return max(footprints, key=lambda footprint: footprint.total)
+
+    def check_memory(self, prompt_lens: Mapping[str, int], forced: int, reference: Mapping[str, int] | None,
+                     backend: BackendConfig) -> None:
+        """Refuse the sweep when this machine (the driver and any local Ray workers, `BackendConfig.footprint`)
+        would need more memory for its largest cell than the device has or ``--max-memory`` allows."""
+        from models.footprint import model_shape
+
+        generation = self.generation
+        driver = model_shape(generation.model, generation.dtype, generation.device).weights()
+        rows = min(self.batch_size, len(prompt_lens))
+        workers = f" on {backend.workers} local Ray workers" if backend.local_workers else ""
+        backend.footprint(driver, self.footprint(prompt_lens, forced, reference)).check(
+            f"{generation.model} decoding {rows} sequence(s) at once (--batch-size {self.batch_size}), each up to "
+            f"{max(prompt_lens.values())} prompt + {forced} forced + --max-new-tokens {generation.max_new_tokens} "
+            f"tokens{workers},",
+            MemoryLimit.of(generation.device, generation.max_memory),
+            "lower --batch-size, --max-new-tokens or --budget" + (" or --workers" if workers else ""))
 
     def identity(self) -> dict[str, Any]:
         """The settings every cell shares, as asked: the preset and every setting it chooses (None: the preset's
@@ -341,28 +379,32 @@ def run_sweep(config: SweepConfig, out: str | Path, *, backend: BackendConfig | 
         if missing:
             raise UsageError(f"--reference {config.reference!r} has no record for problem(s) {', '.join(missing[:5])}")
 
+    from models.loading import load_model, load_tokenizer
+    from tasks.known_answer import scripted_ids
+    from tasks.prompts import build_prompt_ids
+
+    tokenizer = load_tokenizer(generation.model)
+    prompts = {p.id: build_prompt_ids(tokenizer, p) for p in problems}
+    # A known-answer problem's constructed trace is teacher-forced through the evicting decode path, then the
+    # model answers from what the cache kept; every other problem generates its own trace.
+    scripts = {p.id: scripted_ids(p, tokenizer) for p in problems}
+    generation.check_prompts(prompts)
+    check_budgets_fit(config, {p.id: len(prompts[p.id]) for p in problems}, reference)
+    config.check_memory({p.id: len(prompts[p.id]) for p in problems},
+                        max(len(script or []) for script in scripts.values()), reference, backend)
+
     out = Path(out)
     shared = config.identity()
     with RunDir(out, shared) as run, connected(backend):
-        from models.loading import load_model
-        from tasks.known_answer import scripted_ids
-        from tasks.prompts import build_prompt_ids
-
         # The driver's own copy checks the settings against the model and is the serial backend's worker.
         lm = load_model(
             generation.model, device=generation.device, dtype=generation.dtype, attn_implementation=config.kernel
         )
         local = SweepWorker(build_engines(lm, config), config)
-        prompts = {p.id: build_prompt_ids(lm.tokenizer, p) for p in problems}
-        # A known-answer problem's constructed trace is teacher-forced through the evicting decode path, then the
-        # model answers from what the cache kept; every other problem generates its own trace.
-        scripts = {p.id: scripted_ids(p, lm.tokenizer) for p in problems}
-        generation.check_prompts(prompts)
         sweep = len(cells) > 1 or len(config.budgets) > 1
         protocols = {cell.label: config.protocol_for(cell.budget) for cell in cells}
         runs = {}
         # Every check that needs the model runs before anything is written: nothing half-written on bad input.
-        check_budgets_fit(config, {p.id: len(prompts[p.id]) for p in problems}, reference)
         for cell in cells:
             engine = local.engines[cell.label]
             identity = cell_identity(engine, protocols[cell.label], cell, shared)

@@ -37,7 +37,7 @@ import numpy as np
 
 from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, seed_int
 from core.errors import UsageError
-from core.rundir import RunDir
+from core.rundir import RunDir, source_revision
 from core.schemas import Label, read_records
 from core.seeds import derive_seed
 from evictor.protocol import Budget, add_protocol_arguments, parse_budgets, protocol_overrides, resolve_protocol
@@ -100,7 +100,7 @@ def force_through(engine, plan: ForcedPlan, budget: int, block: int, seed: int) 
 @dataclass(frozen=True, kw_only=True)
 class ForcedConfig:
     """A teacher-forced eviction run: graded labels, the policies (with their parameters) and budgets, the protocol.
-    Every field but `device` is part of what the records mean."""
+    Every field but `device` and `max_memory` is part of what the records mean."""
 
     labels: str
     model: str | None = None  # default: the labels' model
@@ -114,10 +114,12 @@ class ForcedConfig:
     limit: int | None = None
     dtype: str = "float32"
     device: str | None = None
+    max_memory: int | None = None  # bytes the run may use (None: the device's memory; `core.limits.MemoryLimit`)
 
     def identity(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("device")
+        data.pop("max_memory")
         return {**data, "labels": str(Path(self.labels).resolve()), "budgets": [b.to_json() for b in self.budgets]}
 
 
@@ -134,6 +136,37 @@ def read_plans(path: str, limit: int | None = None) -> tuple[list[ForcedPlan], s
     if len(models) != 1:
         raise UsageError(f"--labels {path!r} holds labels of {len(models)} models ({sorted(models)}); give one")
     return plans, models.pop()
+
+
+def check_forced(config: ForcedConfig, model: str, plans: Sequence[ForcedPlan], policies: dict[str, Any]) -> None:
+    """Refuse, before anything loads, token counts beyond the model's context (a budget, --teacher-block and the
+    protocol's buffer and recency window), a trace it cannot read, and a run whose largest cell would need more memory
+    than the device has or --max-memory allows (`evictor.engine.eviction_footprint` of a session fed the longest
+    plan at the largest budget)."""
+    from core.limits import MemoryLimit
+    from evictor.engine import eviction_footprint
+    from models.footprint import model_shape
+    from models.loading import model_limits
+
+    limits = model_limits(model)
+    protocol = resolve_protocol(config.protocol, config.protocol_settings)
+    limits.check_flags({"--teacher-block": config.teacher_block, "--buffer": protocol.config.buffer,
+                        "--recency": protocol.config.recency})
+    for budget in config.budgets:
+        if budget.tokens is not None:
+            limits.check_tokens(f"--budget {budget}", budget.tokens)
+    longest = max(plans, key=lambda plan: len(plan.prompt) + len(plan.stream) + len(plan.answer))
+    limits.check_tokens(f"--labels {config.labels}: trace {longest.id}",
+                        len(longest.prompt) + len(longest.stream) + len(longest.answer))
+    limits.check_token_ids({token for plan in plans for token in (*plan.prompt, *plan.stream, *plan.answer)},
+                           f"--labels {config.labels}")
+    shape = model_shape(model, config.dtype, config.device)
+    fed = len(longest.stream) + len(longest.answer)
+    largest = max((b.resolve(longest.generated) for b in config.budgets), default=fed)
+    footprint = max((eviction_footprint(shape, policy, protocol.config, [len(longest.prompt)], fed, 1, budget=largest)
+                     for policy in policies.values()), key=lambda footprint: footprint.total)
+    footprint.check(f"{model} forcing traces of up to {len(longest.prompt) + fed} tokens through eviction",
+                    MemoryLimit.of(config.device, config.max_memory), "use shorter traces or a smaller --budget")
 
 
 def cell_name(policy: str, budget: Budget) -> str:
@@ -153,10 +186,11 @@ def run_forced(config: ForcedConfig, out: str | Path) -> list[dict[str, Any]]:
     plans, labels_model = read_plans(config.labels, config.limit)
     model = config.model or labels_model
     policies = {name: configured_policy(name, config.policy_params.get(name, {})) for name in config.policies}
+    check_forced(config, model, plans, policies)
     with RunDir(Path(out), {"run": "teacher-forced eviction", **config.identity(), "model": model}) as run:
         lm = load_model(model, device=config.device, dtype=config.dtype)
         run.save_config(**{**config.identity(), "model": model}, loaded_model=lm.describe(),
-                        n_traces=len(plans))
+                        n_traces=len(plans), revision=source_revision())
         store = run.store(RECORDS, key="id")
         cells = [(name, budget) for name in config.policies for budget in
                  ([None] if policies[name].scores_nothing else config.budgets)]
@@ -240,7 +274,7 @@ def _run(argv: list[str] | None) -> int:
     config = ForcedConfig(labels=args.labels, policies=tuple(names), policy_params=params,
                           budgets=tuple(sorted(parse_budgets(args.budget))), protocol=args.protocol,
                           protocol_settings=overrides, teacher_block=args.teacher_block, seed=args.seed,
-                          limit=args.limit, dtype=args.dtype, device=args.device)
+                          limit=args.limit, dtype=args.dtype, device=args.device, max_memory=args.max_memory)
     read_plans(config.labels, config.limit)
     for row in run_forced(config, args.out):
         print(f"{row['policy']:>14} {row['budget'] if row['budget'] is not None else '-':>6}  accuracy "

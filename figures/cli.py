@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from core.cli import ArgumentParser, Main, main_guard
 from core.errors import UsageError
 from core.rundir import RunDir
-from figures.save import save_figure
+from figures.save import check_stem, check_title, save_figure
 from figures.tables import TABLE_SUFFIXES, read_table
 
 Draw = Callable[[pd.DataFrame, argparse.Namespace], Figure]
@@ -40,6 +40,13 @@ def figure_parser(prog: str, description: str, stem: str, columns: str | None) -
     parser.add_argument("--stem", default=stem, help=f"output file name without extension (default: {stem})")
     parser.add_argument("--title", default=None, help="figure title (default: none; papers put it in the caption)")
     return parser
+
+
+def check_figure_flags(args: argparse.Namespace) -> None:
+    """Refuse, before anything is drawn, a --stem no file can be named after and a --title matplotlib cannot draw
+    (`figure_parser`'s flags)."""
+    check_stem(args.stem, args.out)
+    check_title(args.title)
 
 
 def read_input(path: str | os.PathLike, needs: Sequence[Sequence[str]]) -> pd.DataFrame:
@@ -64,8 +71,13 @@ def read_input(path: str | os.PathLike, needs: Sequence[Sequence[str]]) -> pd.Da
 
 @contextmanager
 def output_directory(out: str | os.PathLike) -> Iterator[Path]:
-    """The claimed --out directory: a file or an uncreatable path is one `UsageError`, and a figure run writing
-    into the same directory at the same time is refused rather than interleaved."""
+    """The claimed --out directory: a file or an uncreatable path is one `UsageError`, a figure run writing into the
+    same directory at the same time is refused rather than interleaved, and so is the directory of another kvscope
+    run (one holding a run configuration): figures share a directory with figures only, never with results."""
+    configs = sorted(path.name for path in Path(out).glob("*config.json")) if Path(out).is_dir() else []
+    if configs:
+        raise UsageError(f"--out {str(out)!r} holds another run's results ({configs[0]}); give figures a directory "
+                         "of their own")
     with RunDir(out, identity={}) as run:
         yield run.path
 
@@ -76,6 +88,7 @@ def figure_main(parser: argparse.ArgumentParser, draw: Draw, columns: Columns) -
 
     def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
+        check_figure_flags(args)
         needs = columns(args) if callable(columns) else columns
         fig = draw(read_input(args.input, needs), args)
         with output_directory(args.out) as out:

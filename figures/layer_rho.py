@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from core.cli import open_unit_interval
 from core.errors import UsageError, unknown_choice
 from figures.cli import figure_main, figure_parser
 from figures.style import NEGATIVE_SHADE, POSITIVE_SHADE, figure_style, new_figure, series_style
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "layer, signal, rho, rho_lo, rho_hi[, p_adj] (or a validation.layers layers.csv)")
     parser.add_argument("--band-signal", default=None, help="signal whose significant layers are shaded "
                         "(default: the first signal in the table)")
-    parser.add_argument("--alpha", type=float, default=0.05,
+    parser.add_argument("--alpha", type=open_unit_interval, default=0.05,
                         help="p_adj threshold for filled (significant) markers (default 0.05)")
     add_stat_flag(parser)
     return parser

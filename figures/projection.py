@@ -26,9 +26,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from core.cli import atomic_write, main_guard, positive_int
+from core.cli import atomic_write, main_guard, non_negative_float, positive_int
 from core.errors import UsageError
-from figures.cli import figure_parser, output_directory
+from figures.cli import check_figure_flags, figure_parser, output_directory
 from figures.save import save_figure
 from figures.style import DENSE_COLOUR, figure_style, new_figure, plain_log_axis, series_style
 from figures.tables import checked
@@ -72,6 +72,9 @@ def concurrent_requests(
             raise UsageError(f"{name} must be >= 0, got {value!r}")
     if budget is not None and not budget > 0:
         raise UsageError(f"budget must be positive, got {budget!r}")
+    for name, value in (("gpu_mem_gb", gpu_mem_gb), ("weight_gb", weight_gb), ("overhead_gb", overhead_gb)):
+        if value * GIB >= 2**63:
+            raise UsageError(f"{name} {value:g} is more memory than any machine has")
     free = (gpu_mem_gb - weight_gb - overhead_gb) * GIB
     per_request = kv_bytes_per_token(n_layers, n_kv_heads, d_head, bytes_per_elem) * min(ctx, budget or ctx)
     return max(0, math.floor(free / per_request))
@@ -148,15 +151,23 @@ def plot_projection(data, *, annotate_ctx: int | None = None, setting_note: str 
     return fig
 
 
+def gigabytes(text: str) -> float:
+    """argparse type for an amount of memory in GB of 2**30 bytes: a finite number >= 0 that a machine can have."""
+    value = non_negative_float(text)
+    if value * GIB >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text} GB is more memory than any machine has")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = figure_parser(FIGURE, "Concurrent requests that fit on one GPU against context length, with and "
                            "without a KV budget (EpiKV App. 14). Defaults reproduce EpiKV's setting.", FIGURE, None)
     defaults = EPIKV_SETTING
-    parser.add_argument("--gpu-mem-gb", type=float, default=defaults["gpu_mem_gb"],
+    parser.add_argument("--gpu-mem-gb", type=gigabytes, default=defaults["gpu_mem_gb"],
                         help=f"GPU memory in GB of 2**30 bytes (default {defaults['gpu_mem_gb']:g})")
-    parser.add_argument("--weights-gb", type=float, default=defaults["weight_gb"],
+    parser.add_argument("--weights-gb", type=gigabytes, default=defaults["weight_gb"],
                         help=f"model weights in GB (default {defaults['weight_gb']:g}: 8B parameters in bf16)")
-    parser.add_argument("--overhead-gb", type=float, default=defaults["overhead_gb"],
+    parser.add_argument("--overhead-gb", type=gigabytes, default=defaults["overhead_gb"],
                         help=f"memory held back for activations and the runtime, in GB (default "
                         f"{defaults['overhead_gb']:g} = 10%% of 80 GB)")
     # --n-layers, not --layers: elsewhere in kvscope --layers selects layers (indices in python -m signals and
@@ -180,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_figure_flags(args)
     if args.ctx_min > args.ctx_max:
         raise UsageError(f"--ctx-min {args.ctx_min} is larger than --ctx-max {args.ctx_max}")
     lengths = [2**k for k in range(math.ceil(math.log2(args.ctx_min)), math.floor(math.log2(args.ctx_max)) + 1)]

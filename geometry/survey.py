@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from tqdm import tqdm
 
 from core.cli import DTYPES, ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, thread_count
 from core.errors import UsageError, unknown_choice
+from core.limits import Footprint, MemoryLimit
 from core.records import JsonlStore
 from core.rundir import RunDir, check_identity
 from geometry.calibration import CATEGORIES, calibration_digest, calibration_prompts
@@ -57,6 +57,7 @@ class SurveyConfig:
     chunk: int = 256  # query rows per attention block (memory only)
     device: str | None = None
     dtype: str = "float32"
+    max_memory: int | None = None  # bytes the survey may use (None: the device's memory; `core.limits.MemoryLimit`)
 
     def check(self) -> None:
         """Refuse settings that are wrong before anything is loaded or written."""
@@ -78,6 +79,23 @@ class SurveyConfig:
                 f"--ctx {self.ctx} is too small for --topk {self.topk}: the Jaccard statistic samples queries in "
                 f"[topk+{JACCARD_MARGIN}, ctx-1] and needs two of them, so --ctx must be at least {minimum}"
             )
+
+    def check_limits(self) -> None:
+        """Refuse, from the model's config and before it loads, a --ctx beyond its context and a survey whose peak
+        memory exceeds the device's or --max-memory: one forward of --ctx tokens with every layer's q, k (before
+        and after RoPE) and v captured, then one block of --chunk query rows' attention logits, probabilities and
+        top-k ranks at a time (`models.footprint` says what the rest counts)."""
+        from models.footprint import FP32, model_shape
+        from models.loading import model_limits
+
+        model_limits(self.model).check_flags({"--ctx": self.ctx})
+        shape = model_shape(self.model, self.dtype, self.device)
+        captured = shape.layers * self.ctx * (shape.q_heads + 3 * shape.kv_heads) * shape.head_dim * shape.itemsize
+        rows = 3 * shape.q_heads * min(self.chunk, self.ctx) * self.ctx * FP32
+        footprint = shape.weights() + Footprint((("forward", shape.forward_bytes(1, self.ctx, self.ctx)),
+                                                 ("captured q/k/v", captured), ("attention rows", rows)))
+        footprint.check(f"{self.model} surveying sequences of --ctx {self.ctx} tokens (--chunk {self.chunk})",
+                        MemoryLimit.of(self.device, self.max_memory), "lower --ctx or --chunk")
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the records already on disk."""
@@ -101,13 +119,11 @@ def run_survey(config: SurveyConfig, out: str | os.PathLike | None = None, *, pr
     there, and write the tables. Bad settings are a `UsageError` before anything is written; a second run on the
     same `out` is refused at once."""
     config.check()
+    config.check_limits()
     out = Path(out) if out is not None else default_out(config.model)
     # Settings known before loading are checked at the claim, so a refused resume does not wait for the model.
     with RunDir(out, config.identity()) as run:
         lm = load_model(config.model, device=config.device, dtype=config.dtype)
-        limit = getattr(lm.config, "max_position_embeddings", None)
-        if limit is not None and config.ctx > limit:
-            raise UsageError(f"--ctx {config.ctx} exceeds the model's max_position_embeddings {limit}")
         prompts = calibration_prompts(lm.tokenizer, config.prompts, config.ctx)
         resolved = _resolved_config(config, lm, prompts)
         # The weights behind a registry name can change (a reinstalled GGUF): known only once loaded.
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resolved_config(config: SurveyConfig, lm, prompts) -> dict[str, Any]:
+    import transformers  # for its version; importing it takes a second, which `--help` need not wait for
+
     tokenizer = lm.tokenizer
     leading = sorted({p.input_ids[0] for p in prompts})
     return {

@@ -18,7 +18,15 @@ import argparse
 import sys
 
 from core.backend import BackendConfig, add_backend_arguments
-from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, program_name, thread_count
+from core.cli import (
+    ArgumentParser,
+    add_device_arguments,
+    main_guard,
+    positive_int,
+    program_name,
+    thread_count,
+    unit_interval,
+)
 from labeling.job import NothingLabelled, OcclusionJob, run_occlusion
 from labeling.labeler import DRAWS, HEADS, INTERVENTIONS, METHODS, OcclusionConfig
 from labeling.windows import GENERIC_CUE, NO_ANSWER_RULES
@@ -74,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", default=defaults.heads, choices=HEADS,
                         help="cache labels: remove a window from every KV head at once (all, default) or from each KV "
                         "head on its own (each: one row per window and head)")
-    parser.add_argument("--budget", type=float, default=defaults.budget,
+    parser.add_argument("--budget", type=unit_interval, default=defaults.budget,
                         help="joint labels: the share of the trace each keep-set holds, in (0, 1] (each unit kept "
                         f"with this probability; default {defaults.budget})")
     parser.add_argument("--draws", type=positive_int, default=None,
@@ -145,7 +153,8 @@ def job_from_args(args: argparse.Namespace) -> OcclusionJob:
                              draw=args.draw, unit=args.unit, seed=args.seed)
     return OcclusionJob(config=config, traces=args.traces, dataset=args.dataset, model=args.model,
                         data_file=args.data_file, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                        shard=args.shard, device=args.device, threads=args.threads)
+                        shard=args.shard, device=args.device, threads=args.threads,
+                        max_memory=args.max_memory)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -48,18 +48,22 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
-from transformers import PreTrainedModel
 
 from core.cli import ArgumentParser, add_device_arguments, atomic_write, main_guard, positive_int, seed_int
 from core.errors import UsageError, unknown_choice
+from core.limits import MemoryLimit
 from core.rundir import RunDir
+from models.footprint import model_shape
 from models.hooks import decoder_layers
 from models.lm import LoadedModel, attention_kernel
 from models.loading import load_model, model_limits
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; they are only annotations here
+    from transformers import PreTrainedModel
 
 MB = 2**20
 
@@ -200,40 +204,51 @@ def _measure(model, ids: torch.Tensor, setup: PrefillSetup, device: torch.device
     def forward():
         return model(input_ids=ids, use_cache=True, logits_to_keep=1, output_attentions=setup.output_attentions)
 
-    def call():
+    def call() -> None:
         with torch.inference_mode():
-            return forward() if setup.run is None else setup.run(model, forward)
+            out = forward() if setup.run is None else setup.run(model, forward)
+            if setup.output_attentions:
+                _check_maps(out, model)
 
     try:
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            out = call()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-            if setup.output_attentions:
-                _check_maps(out, model)
-            del out
-            return peak, peak - before
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = call()
-            if setup.output_attentions:
-                _check_maps(out, model)
-            del out
-        extra = _cpu_peak_bytes(prof)
-        resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        return resident + extra, extra
+        before, peak = _peak(call, device)
     except RuntimeError as err:
         if not _is_oom(err):
             raise
+    else:
+        if device.type == "cuda":
+            return peak, peak - before
+        resident = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        return resident + peak, peak
     # Only an OOM gets here. The cache is emptied outside the handler: its traceback held the failed tensors.
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
     return None
+
+
+def own_peak_bytes(call: Callable[[], Any], device: str | torch.device = "cpu") -> int:
+    """The peak bytes of the tensors `call()` allocates on `device` above those live before it (the module
+    docstring says how each device measures them); what `models.footprint` estimates is checked against it."""
+    before, peak = _peak(call, torch.device(device))
+    return peak - before
+
+
+def _peak(call: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """(bytes live before, peak bytes) of `call()`: CUDA's allocator counts both; on the CPU the profiler sees only
+    the call's own allocations, so before is 0 and the peak is the call's own."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        return before, torch.cuda.max_memory_allocated(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    return 0, _cpu_peak_bytes(prof)
 
 
 def _check_maps(out, model) -> None:
@@ -324,10 +339,15 @@ def _main(argv: list[str] | None = None) -> int:
     for kernel in args.kernels:
         _setup(kernel)
     model_limits(args.model).check_flags({"--ctx": max(args.ctx)})  # before a model loads or --out is claimed
+    # A length that does not fit is a row marked oom, what this measures; the model itself must fit.
+    limit = MemoryLimit.of(args.device, args.max_memory)
+    model_shape(args.model, args.dtype, args.device).weights().check(f"loading {args.model}", limit,
+                                                                     "raise --max-memory")
     identity = {key: value for key, value in vars(args).items() if key != "out"}
     with RunDir(args.out, identity) as run:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
-        rows = prefill_peak_memory(lm, args.ctx, args.kernels, args.batch, seed=args.seed)
+        rows = prefill_peak_memory(lm, args.ctx, args.kernels, args.batch, seed=args.seed,
+                                   memory_limit=args.max_memory)
         write_rows(run.path / "prefill_memory.csv", rows)
         run.save_config(model_info=lm.describe())
     for row in rows:

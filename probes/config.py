@@ -8,13 +8,15 @@ not apply. The resolved protocol is part of the run's identity and of every row,
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core.backend import add_backend_arguments
+from core.backend import BackendConfig, add_backend_arguments
 from core.cli import add_device_arguments, positive_int, seed_int, thread_count
 from core.errors import UsageError
+from core.limits import MemoryLimit
 from evictor.protocol import (
     SAMPLING_FIELDS,
     EvictionConfig,
@@ -27,6 +29,8 @@ from evictor.protocol import (
 from models.loading import KERNELS, load_model, model_limits
 from models.registry import DEFAULT_MODEL, REGISTRY
 from probes.instances import check_filler_dataset
+from scoring.policy import Policy
+from validation.stats import check_replicates
 
 C = TypeVar("C", bound="ProbeConfig")
 
@@ -59,6 +63,7 @@ class ProbeConfig:
     kernel: str | None = None
     device: str | None = None
     dtype: str | None = None
+    max_memory: int | None = None  # bytes a run may use (None: the device's memory; `core.limits.MemoryLimit`)
 
     def check(self) -> None:
         """Refuse settings that are wrong before anything is loaded or written."""
@@ -68,6 +73,7 @@ class ProbeConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not 0 < self.level < 1:
             raise UsageError(f"--level must be in (0, 1), got {self.level}")
+        check_replicates(self.n_boot, self.n, 3 * self.n)  # the bootstrap at the end, checked before anything runs
         if self.data_file is not None and not Path(self.data_file).expanduser().is_file():
             raise UsageError(f"--data-file {self.data_file!r} does not exist")
         if self.filler is None:
@@ -86,6 +92,28 @@ class ProbeConfig:
         limits = model_limits(self.model)
         limits.check_flags({"--budget": self.budget, "--lead": self.lead, "--box": self.box,
                             **token_flags(self.protocol_settings)})
+
+    def check_memory(self, policies: Sequence[Policy], prompt: int, total: int, backend: BackendConfig,
+                     dense_logits: int = 0) -> None:
+        """Refuse the probe when this machine (the driver and any local Ray workers, `BackendConfig.footprint`)
+        would need more memory than the device has or ``--max-memory`` allows: each batch of instances prefills
+        `prompt` tokens and is teacher-forced to `total` under each of `policies`
+        (`evictor.engine.eviction_footprint`) and, with `dense_logits` value positions, in one dense forward."""
+        from evictor.engine import eviction_footprint
+        from models.footprint import forward_footprint, model_shape
+
+        shape = model_shape(self.model, self.dtype, self.device)
+        rows = min(self.batch_size, self.n)
+        eager = self.kernel == "eager"
+        footprints = [eviction_footprint(shape, policy, self.eviction(), [prompt] * rows, total - prompt, rows,
+                                         eager=eager) for policy in policies]
+        if dense_logits:
+            footprints.append(forward_footprint(shape, rows, total, logits=dense_logits, eager=eager))
+        workers = f" on {backend.workers} local Ray workers" if backend.local_workers else ""
+        backend.footprint(shape.weights(), max(footprints, key=lambda footprint: footprint.total)).check(
+            f"{self.model} teacher-forcing {rows} instance(s) of {total} tokens at once (--batch-size "
+            f"{self.batch_size}){workers},", MemoryLimit.of(self.device, self.max_memory),
+            "lower --batch-size, the distance to the question or --budget" + (" or --workers" if workers else ""))
 
     def resolved(self) -> Protocol:
         """The protocol preset with the explicit settings, at this probe's budget and seed."""

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from core.backend import BackendConfig, connected, run_units
-from core.cli import ArgumentParser, main_guard, positive_int
+from core.cli import ArgumentParser, distinct, main_guard, positive_int
 from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from core.schemas import ProbeRow
@@ -42,6 +42,7 @@ from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
 from evictor.policies import policy_names
 from evictor.policy import configured_policy
+from models.loading import load_tokenizer
 from probes.config import ProbeConfig, add_common_arguments, config_from_arguments
 from probes.forcing import SERIAL, ProbeWorker, chunks, dense_logprobs, load_probe_worker, outcome, run_forced
 from probes.instances import CHANCE, Instance, InstanceBuilder, Layout, Script, base_layout, filler_texts, stub_ids
@@ -72,11 +73,12 @@ def parse_condition(text: str) -> tuple[str, dict[str, Any]]:
 
 def parse_policies(text: str, names: list[str]) -> list[str]:
     given = [p.strip() for p in text.split(",")]
-    chosen = list(dict.fromkeys(p for p in given if p))
+    chosen = [p for p in given if p]
     if not chosen:
         raise UsageError(f"--policy {text!r}: give at least one policy name")
-    if len(chosen) < len(given) and "" in given:
+    if len(chosen) < len(given):
         raise UsageError(f"--policy {text!r} has an empty entry; separate the entries by single commas")
+    distinct("--policy", text, chosen)
     for condition in chosen:
         name, params = parse_condition(condition)
         if name not in names:
@@ -172,15 +174,18 @@ def run_passcode(config: PasscodeConfig, out: str | os.PathLike | None = None, *
                 "rounds": config.rounds}
     out = Path(out) if out is not None else default_out(PROBE, config.model, *config.out_parts(), f"R{config.rounds}",
                                                         f"s{config.seed}")
+    # The layout and the memory it takes are checked before --out is claimed: they need the tokenizer alone.
+    tokenizer = load_tokenizer(config.model)
+    stub = stub_ids(tokenizer)
+    evicting = [configured_policy(*parse_condition(condition), "--policy") for condition in policies]
+    # Every policy sees the passcode in at least --rounds rounds, whatever its protection.
+    protections = sorted({eviction.protect or policy.default_protection for policy in evicting}) or ["prompt"]
+    layout = protocol_layout(base_layout(tokenizer, SCRIPT, len(stub), config.lead, config.box),
+                             Distance(config.rounds, "rounds"), eviction, protections)
+    config.check_memory(evicting, len(stub), layout.total, backend, dense_logits=layout.value)
     with RunDir(out, identity) as run, connected(backend):
         lm = config.load_model()
         engines = passcode_engines(lm, config)
-        tokenizer = lm.tokenizer
-        stub = stub_ids(tokenizer)
-        # Every policy sees the passcode in at least --rounds rounds, whatever its protection.
-        protections = sorted({engine.protect for engine in engines.values()}) or ["prompt"]
-        layout = protocol_layout(base_layout(tokenizer, SCRIPT, len(stub), config.lead, config.box),
-                                 Distance(config.rounds, "rounds"), eviction, protections)
         builder = InstanceBuilder(tokenizer, SCRIPT, texts, layout, config.seed, uses_var=False)
         instances = [builder.build(i) for i in range(config.n)]
         run.save_config(config=asdict(config), loaded_model=lm.describe(), layout=layout_record(layout),

@@ -52,14 +52,14 @@ import torch
 from tqdm import tqdm
 
 from core.backend import BackendConfig, connected, run_units
-from core.cli import ArgumentParser, main_guard
+from core.cli import ArgumentParser, distinct, main_guard
 from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from core.schemas import ProbeRow
 from core.seeds import derive_seed
 from evictor.engine import EvictionEngine
 from evictor.policies import get_policy
-from models.loading import model_limits
+from models.loading import load_tokenizer, model_config, model_limits
 from probes.config import ProbeConfig, add_common_arguments, config_from_arguments
 from probes.forcing import SERIAL, ProbeWorker, chunks, dense_logprobs, load_probe_worker, outcome, run_forced
 from probes.instances import CHANCE, Instance, InstanceBuilder, Layout, Script, base_layout, filler_texts, stub_ids
@@ -102,13 +102,16 @@ def parse_head_sets(text: str, n_heads: int, model: str) -> list[HeadSet]:
             for item in items:
                 if not item.lstrip("-").isdigit():
                     raise UsageError(f"--heads {text!r}: {item!r} is not a head number, 'all' or 'none'")
-            heads = tuple(sorted({int(i) for i in items}))
+            distinct("--heads", text, [int(i) for i in items])
+            heads = tuple(sorted(int(i) for i in items))
             bad = [h for h in heads if not 0 <= h < n_heads]
             if bad:
                 raise UsageError(f"head{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} out of range: "
                                  f"{model} has KV heads 0..{n_heads - 1}")
-        if part not in (s.label for s in sets):
-            sets.append(HeadSet(part, heads))
+        same = next((s.label for s in sets if s.heads == heads), None)
+        if same is not None:
+            raise UsageError(f"--heads {text!r} gives the head set {part!r} twice (as {same!r}); give each once")
+        sets.append(HeadSet(part, heads))
     return sets
 
 
@@ -116,7 +119,7 @@ def parse_layers(text: str, n_layers: int, model: str) -> tuple[int, ...]:
     """``"all"`` or a comma list of layers and ranges (``"0-9,20"``), each in ``0..n_layers-1``."""
     if text.strip() == "all":
         return tuple(range(n_layers))
-    layers: set[int] = set()
+    layers: list[int] = []
     for item in (i.strip() for i in text.split(",")):
         bounds = item.split("-") if item.count("-") == 1 and not item.startswith("-") else [item]
         if not item or not all(b.strip().isdigit() for b in bounds):
@@ -127,7 +130,8 @@ def parse_layers(text: str, n_layers: int, model: str) -> tuple[int, ...]:
                 raise UsageError(f"layer {layer} out of range: {model} has layers 0..{n_layers - 1}")
         if hi < lo:
             raise UsageError(f"--layers {text!r}: empty range {item!r}")
-        layers.update(range(lo, hi + 1))
+        layers += range(lo, hi + 1)
+    distinct("--layers", text, layers)
     return tuple(sorted(layers))
 
 
@@ -322,23 +326,28 @@ def run_planted_fact(config: PlantedFactConfig, out: str | os.PathLike | None = 
     }
     out = Path(out) if out is not None else default_out(
         PROBE, config.model, config.policy, *config.out_parts(), f"d{distance}", config.question, f"s{config.seed}")
+    # The head sets, the layout and the memory they take are checked before --out is claimed: they need the model's
+    # config and tokenizer alone.
+    model = model_config(config.model)
+    n_layers, n_heads = model.num_hidden_layers, model.num_key_value_heads
+    sets = parse_head_sets(config.heads or _default_heads(n_heads), n_heads, config.model)
+    layers = parse_layers(config.layers, n_layers, config.model)
+    conditions = build_conditions(sets, layers, n_layers, n_heads)
+    tokenizer = load_tokenizer(config.model)
+    stub = stub_ids(tokenizer)
+    protect = eviction.protect or inner.default_protection
+    layout = protocol_layout(base_layout(tokenizer, script, len(stub), config.lead, config.box), distance,
+                             eviction, [protect])
+    schedule = Schedule.of(eviction, protect, len(stub))
+    room = schedule.budget - schedule.limit - schedule.recency
+    if room < config.box:
+        raise UsageError(f"--budget {config.budget} leaves {room} scored slots after the {schedule.limit} "
+                         f"protected prompt tokens and the recency window of {schedule.recency}, fewer than the "
+                         f"{config.box}-token fact box to pin; raise --budget")
+    config.check_memory([inner], len(stub), layout.total, backend, dense_logits=layout.value)
     with RunDir(out, identity) as run, connected(backend):
         lm = config.load_model()
-        n_layers, n_heads = lm.config.num_hidden_layers, lm.config.num_key_value_heads
-        sets = parse_head_sets(config.heads or _default_heads(n_heads), n_heads, lm.name)
-        layers = parse_layers(config.layers, n_layers, lm.name)
-        conditions = build_conditions(sets, layers, n_layers, n_heads)
         probe = EvictionEngine(lm, PinnedFact(inner, (0, 0), torch.zeros(1, n_layers, n_heads)), eviction)
-        tokenizer = lm.tokenizer
-        stub = stub_ids(tokenizer)
-        layout = protocol_layout(base_layout(tokenizer, script, len(stub), config.lead, config.box), distance,
-                                 eviction, [probe.protect])
-        schedule = Schedule.of(eviction, probe.protect, len(stub))
-        room = schedule.budget - schedule.limit - schedule.recency
-        if room < config.box:
-            raise UsageError(f"--budget {config.budget} leaves {room} scored slots after the {schedule.limit} "
-                             f"protected prompt tokens and the recency window of {schedule.recency}, fewer than the "
-                             f"{config.box}-token fact box to pin; raise --budget")
         builder = InstanceBuilder(tokenizer, script, texts, layout, config.seed, uses_var=True)
         instances = [builder.build(i) for i in range(config.n)]
         run.save_config(config=asdict(config), loaded_model=lm.describe(), engine=probe.describe(),

@@ -10,7 +10,7 @@ from typing import TypedDict
 import numpy as np
 
 from validation.paired import bootstrap_means, percentile_interval
-from validation.stats import wilson_interval
+from validation.stats import check_replicates, wilson_interval
 
 
 def graded_recall(lp, lp_kept, lp_del) -> float:
@@ -28,6 +28,7 @@ def ratio_bootstrap(num, den, n_boot: int, rng: np.random.Generator) -> np.ndarr
     """Replicates of sum(num) / sum(den), resampling instances (pairs kept together) with replacement; NaN where
     a replicate's denominator is <= 0."""
     num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    check_replicates(n_boot, num.size, 3 * num.size)  # the drawn indices, then the numerators and denominators drawn
     idx = rng.integers(0, num.size, size=(n_boot, num.size))
     top, bottom = num[idx].sum(axis=1), den[idx].sum(axis=1)
     return np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.nan)

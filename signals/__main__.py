@@ -22,8 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int
+from core.cli import ArgumentParser, add_device_arguments, distinct, main_guard, positive_int
 from core.errors import UsageError
+from core.limits import MemoryLimit
 from core.schemas import Signal
 from signals import SIGNALS, check_signals, default_signals
 from signals.hidden import DEFAULT_EPS, DEFAULT_WINDOW, SMOOTHINGS
@@ -70,6 +71,7 @@ def _bands(text: str | None) -> tuple[int, int] | None:
         bands = ()
     if len(bands) != 2:
         raise UsageError(f"--bands {text!r}: give two layers A,B")
+    distinct("--bands", text, bands)
     return bands
 
 
@@ -77,17 +79,22 @@ def _layers(text: str) -> str | tuple[int, ...]:
     if text == "all":
         return text
     try:
-        return tuple(sorted({int(part) for part in text.split(",")}))
+        layers = [int(part) for part in text.split(",")]
     except ValueError:
         raise UsageError(f"--layers {text!r}: give 'all' or comma-separated integers") from None
+    distinct("--layers", text, layers)
+    return tuple(sorted(layers))
 
 
 def _run(argv: list[str] | None) -> int:
+    from models.footprint import model_shape
     from models.loading import model_limits
 
     args = build_parser().parse_args(argv)
     bands = _bands(args.bands)
-    signals = tuple(check_signals(s.strip() for s in args.signals.split(",") if s.strip()))
+    names = [s.strip() for s in args.signals.split(",") if s.strip()]
+    distinct("--signals", args.signals, names)
+    signals = tuple(check_signals(names))
     if bands is not None and "hidden_diff" not in signals:
         signals = ("hidden_diff", *signals)
     config = SignalsConfig(layers=_layers(args.layers), signals=signals, smoothing=args.smoothing,
@@ -100,6 +107,10 @@ def _run(argv: list[str] | None) -> int:
     limits.check_flags({"--window": args.window})
     if limits.layers is not None:
         config.layer_indices(limits.layers)  # a layer the model lacks is refused before it loads
+    longest = max(len(trace.token_ids) for trace in traces)
+    config.footprint(model_shape(model_name, args.dtype, args.device), longest).check(
+        f"{model_name} reading traces of up to {longest} tokens (--traces {args.traces})",
+        MemoryLimit.of(args.device, args.max_memory), "use shorter traces or leave out the attention --signals")
     out = Path(args.out)
     identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "dtype": args.dtype,
                 **config.record_settings()}

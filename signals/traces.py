@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import UsageError, unknown_choice
+from core.limits import Footprint
 from core.rundir import RunDir
 from core.schemas import Signal, Trace, read_records
+from models.footprint import FP32, ModelShape, forward_footprint
 from scoring.policy import DEFAULT_HIDDEN_HOOK
 from signals import SIGNALS, check_signals, default_signals
 from signals.extract import resolve_layers, teacher_forced_signals
@@ -66,6 +68,14 @@ class SignalsConfig:
         if self.bands is not None:
             layers = sorted(set(layers) | set(resolve_layers(list(self.bands), n_layers)))
         return layers
+
+    def footprint(self, shape: ModelShape, tokens: int) -> Footprint:
+        """The peak memory of computing one trace of `tokens` positions: its teacher-forced forward building its
+        cache and, when a signal reads attention, one layer's recomputed maps at a time (logits, probabilities and
+        the pattern handed to the signals, fp32; `models.footprint` says what the rest counts)."""
+        attention = any(SIGNALS[name].reads == "attention" for name in check_signals(self.signals))
+        maps = 3 * shape.q_heads * tokens * tokens * FP32 if attention else 0
+        return forward_footprint(shape, 1, tokens) + Footprint((("attention maps", maps),))
 
     def record_settings(self) -> dict[str, Any]:
         """Every setting a record's values depend on, None where the smoothing does not use it (so changing an

@@ -220,10 +220,11 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         protocol=args.protocol, protect=args.protect, budget_scope=args.budget_scope,
         on_long_prompt=args.on_long_prompt, compare_n_boot=args.compare_n_boot,
         batch_size=args.batch_size, evict_problems=args.evict_problems, deploy_scorers=args.deploy_scorers,
-        seed=args.seed, dtype=args.dtype, device=args.device)
+        seed=args.seed, dtype=args.dtype, device=args.device, max_memory=args.max_memory)
 
 
 def _run(argv: list[str] | None) -> int:
+    from figures.trace import VIEWER_FILE
     from study.pipeline import run_study
     from study.report import headline
 

@@ -87,9 +87,12 @@ LONG_CONTEXT_LABELS = ("a RULER task's answer has no reasoning span to occlude (
 
 
 def parse_names(text: str, flag: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(part.strip() for part in str(text).split(",") if part.strip()))
+    from core.cli import distinct
+
+    names = tuple(part.strip() for part in str(text).split(",") if part.strip())
     if not names:
         raise UsageError(f"{flag} {text!r} names nothing; give a comma list")
+    distinct(flag, text, names)  # a scorer or label kind named twice would be computed, or counted, twice
     return names
 
 
@@ -143,6 +146,7 @@ class StudyConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str | None = None
+    max_memory: int | None = None  # bytes a stage may use (None: the device's memory; `core.limits.MemoryLimit`)
 
     def check(self) -> None:
         """Refuse any setting no stage can run with, naming it: nothing is loaded or written before this passes."""
@@ -212,6 +216,13 @@ class StudyConfig:
         if self.traces is not None and not Path(self.traces).is_file():
             raise UsageError(f"--traces {self.traces!r} does not exist" if not Path(self.traces).exists()
                              else f"--traces {self.traces!r} is not a file")
+        from core.limits import check_memory
+
+        problems = self.limit or 1
+        for flag, n_boot in (("--n-boot", self.n_boot), ("--compare-n-boot", self.compare_n_boot)):
+            # a bootstrap holds at least one float64 per replicate and problem, whatever its statistic
+            check_memory(f"{flag} {n_boot} over {problems} problems", 8 * n_boot * problems,
+                         remedy=f"lower {flag}")
         self.check_limits()
 
     def check_limits(self) -> None:
@@ -221,7 +232,8 @@ class StudyConfig:
 
         limits = model_limits(self.model)
         limits.check_flags({"--max-new-tokens": self.max_new_tokens, "--window": self.window,
-                            "--max-answer-tokens": self.max_answer_tokens, "--signal-window": self.signal_window})
+                            "--max-answer-tokens": self.max_answer_tokens, "--signal-window": self.signal_window,
+                            "--teacher-block": self.teacher_block})
         for budget in self.budgets:
             if budget.tokens is not None:
                 limits.check_tokens(f"--budget {budget}", budget.tokens,

@@ -249,18 +249,30 @@ class Study:
         print(line, file=sys.stderr, flush=True)
 
 
+def check_stage_records(out: Path) -> None:
+    """Refuse to resume a study whose stage records are damaged (a line that is not a record, a record without its
+    id, an id twice), before any stage starts: each stage's store would refuse its own file, but only after the
+    stages before it had run. Every stage stores records keyed by their id."""
+    from core.records import read_resumable
+
+    for path in sorted(out.glob("stages/**/*.jsonl")):
+        read_resumable(path, lambda record: record["id"])
+
+
 def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | None = None, *, quiet: bool = False,
               command: list[str] | None = None) -> StudyResult:
     """Run (or resume) the study `config` into `out` and write its report; bad input is a `UsageError` raised before
     anything is written. `command` is the command line the report gives for reproducing it."""
     from models.loading import shared_loads
-    from study.report import write_report
+    from study.report import write_report, write_viewer
 
     backend = backend or BackendConfig()
     config.check()
     problems = stages.generation_config(config).problems()
     if config.traces is not None:
         stages.check_reused_traces(config, problems)
+    stages.check_memory(config, problems, backend)
+    check_stage_records(Path(out))
     settings = stage_settings(config, problems)
     out = Path(out)
     started = time.perf_counter()

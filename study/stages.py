@@ -34,6 +34,7 @@ from study.config import (
     REFERENCE,
     StudyConfig,
     is_known_answer,
+    is_long_context,
 )
 from validation.predictive import SELECTED_PREFIX
 
@@ -73,7 +74,25 @@ def generation_config(config: StudyConfig, *, temperature: float = 0.0, top_p: f
 
     return GenerationConfig(dataset=config.dataset, model=config.model, data_file=config.data_file,
                             limit=config.limit, max_new_tokens=config.max_new_tokens, temperature=temperature,
-                            top_p=top_p, seed=config.seed, dtype=config.dtype, device=config.device, engine=engine)
+                            top_p=top_p, seed=config.seed, dtype=config.dtype, device=config.device, engine=engine,
+                            max_memory=config.max_memory)
+
+
+def check_memory(config: StudyConfig, problems, backend: BackendConfig) -> None:
+    """Refuse a study whose traces (unless --traces gives them) or labels would need more memory than the device
+    has or --max-memory allows, before any stage starts: the same estimates `tasks.run` and `labeling.occlusion`
+    check (`docs/limits.md`); the evictor holds less than the dense traces it replays."""
+    from labeling.job import check_labelling
+    from models.loading import load_tokenizer
+    from tasks.prompts import build_prompt_ids
+
+    tokenizer = load_tokenizer(config.model)
+    prompts = {p.id: build_prompt_ids(tokenizer, p) for p in problems}
+    if config.traces is None:
+        generation_config(config).check_memory(prompts, backend)
+    if not is_long_context(config.dataset):
+        check_labelling(config.model, [], config.occlusion(), config.max_memory, f"--dataset {config.dataset}",
+                        device=config.device, lengths=[len(ids) + config.max_new_tokens for ids in prompts.values()])
 
 
 def read_traces(path: Path) -> list[Trace]:

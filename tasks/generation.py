@@ -25,12 +25,17 @@ position, so models with them decode one prompt at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+
+from core.limits import Footprint
+from models.footprint import ModelShape
+from tasks.sampling import check_sampling
 
 # End-of-turn markers of common chat formats; used as stop tokens when they are single special tokens in the vocab.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "<|eos|>", "</s>", "<eos>")
@@ -51,13 +56,6 @@ class GenerationResult:
         """Decode throughput: tokens after the first per second of decode time (0 when there were none)."""
         later = len(self.generated_ids) - 1
         return later / self.decode_s if later > 0 and self.decode_s > 0 else 0.0
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -208,6 +206,34 @@ def compact_rows(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
 # Compact the batch cache when its slots beyond the longest row's real ones exceed both this count and this ratio of
 # the real ones: gathering costs a copy of the cache, attending over dead slots costs every later step.
 COMPACT_MIN_DEAD, COMPACT_DEAD_RATIO = 64, 1.0
+
+
+def generation_footprint(shape: ModelShape, prompt_lens: Sequence[int], max_new_tokens: int, batch_size: int, *,
+                         queries: int = 1, prefix_tokens: int = 0) -> Footprint:
+    """The peak memory of `generate_batch` over prompts of `prompt_lens` tokens, each continued by up to
+    `max_new_tokens` (`models.footprint` says what each part counts).
+
+    One row, or a model with sliding-window layers, decodes alone: its cache grows to its prompt plus its tokens.
+    Rows decoding together share a ragged cache whose slots reach the longest row plus the dead slots compaction
+    tolerates (`COMPACT_MIN_DEAD`, `COMPACT_DEAD_RATIO`), and a joining row's own prefill cache sits beside it.
+    Either way a `torch.cat` or a gather copies one layer of the cache at a time. `queries` new tokens per row and
+    step (the labeller's drafts, verified in one forward with logits at every one) and `prefix_tokens` of caches
+    kept to copy rows from (the labeller's trace prefixes) describe the batched decoders built the same way."""
+    prompt = max(prompt_lens)
+    longest = prompt + max_new_tokens
+    rows = min(batch_size, len(prompt_lens))
+    if rows == 1 or any(window is not None for window in shape.windows):
+        rows, slots, joining = 1, longest + queries, 0
+    else:
+        slots = longest + max(COMPACT_MIN_DEAD, math.ceil(COMPACT_DEAD_RATIO * longest)) + queries
+        joining = prompt
+    prefill = shape.kv_bytes(1, joining) + shape.forward_bytes(1, prompt, prompt)
+    decode = shape.forward_bytes(rows, queries, slots, logits=queries)
+    return shape.weights() + Footprint((
+        ("KV cache", shape.kv_bytes(rows, slots) + shape.layer_kv_bytes(rows, slots)
+         + shape.kv_bytes(1, prefix_tokens)),
+        ("forward", max(prefill, decode)),
+    ))
 
 
 class _Row:

@@ -49,7 +49,7 @@ from core.cli import (
     write_json,
 )
 from core.errors import UsageError
-from core.limits import ModelLimits
+from core.limits import Footprint, MemoryLimit, ModelLimits
 from core.rundir import RunDir
 from core.schemas import Trace
 from core.seeds import derive_seed
@@ -77,6 +77,7 @@ class GenerationConfig:
     problem_ids: tuple[str, ...] | None = None  # only these of the first `limit` problems (None: all of them)
     engine: str = "hf"  # tasks.engines.ENGINES
     batch_size: int = 1  # sequences decoded together
+    max_memory: int | None = None  # bytes a run may use (None: the device's memory; `core.limits.MemoryLimit`)
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> GenerationConfig:
@@ -116,6 +117,33 @@ class GenerationConfig:
         for problem_id, ids in prompts.items():
             limits.check_tokens(f"problem {problem_id!r}: its prompt of {len(ids)} tokens + --max-new-tokens "
                                 f"{self.max_new_tokens}", len(ids) + self.max_new_tokens)
+
+    def footprint(self, prompt_lens: Sequence[int]) -> Footprint:
+        """The peak memory of generating from prompts of `prompt_lens` tokens in one process: ``hf`` decodes them
+        in batches of `batch_size` (`tasks.generation.generation_footprint`); vLLM sizes its own KV cache within
+        what the weights leave, so only they are counted."""
+        from models.footprint import model_shape
+        from tasks.generation import generation_footprint
+
+        shape = model_shape(self.model, self.dtype, self.device)
+        if self.engine != "hf":
+            return shape.weights()
+        return generation_footprint(shape, prompt_lens, self.max_new_tokens, self.batch_size)
+
+    def check_memory(self, prompts: Mapping[str, Sequence[int]], backend: BackendConfig) -> None:
+        """Refuse generating `prompts` (id -> prompt ids) when this machine (the driver and any local Ray workers,
+        `BackendConfig.footprint`) would need more memory than the device has or ``--max-memory`` allows."""
+        from models.footprint import model_shape
+
+        lengths = [len(ids) for ids in prompts.values()]
+        rows = min(self.batch_size, len(lengths))
+        footprint = backend.footprint(model_shape(self.model, self.dtype, self.device).weights(),
+                                      self.footprint(lengths))
+        workers = f" on {backend.workers} local Ray workers" if backend.local_workers else ""
+        footprint.check(f"{self.model} decoding {rows} sequence(s) at once (--batch-size {self.batch_size}), each up "
+                        f"to {max(lengths)} prompt + --max-new-tokens {self.max_new_tokens} tokens{workers},",
+                        MemoryLimit.of(self.device, self.max_memory),
+                        "lower --batch-size or --max-new-tokens" + (" or --workers" if workers else ""))
 
     def problems(self) -> list[Problem]:
         """The problems to run; generated (RULER) contexts are measured with this model's tokenizer. A generation
@@ -359,6 +387,7 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
     """
     from tqdm import tqdm
 
+    from models.loading import load_tokenizer
     from tasks.engines import HFEngine, load_engine
     from tasks.prompts import build_prompt_ids, uses_chat_template
 
@@ -366,14 +395,19 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
     check_engine(config.engine)  # a missing vLLM is reported before anything is read or loaded
     if config.engine == "vllm" and backend.backend != "serial":
         raise UsageError("--engine vllm batches every problem in one vLLM engine; it does not run on --backend ray")
-    problems = list(config.problems() if problems is None else problems)  # bad input before --out is claimed
+    # Bad input, a request beyond the model's context or the machine's memory: refused before --out is claimed.
+    problems = list(config.problems() if problems is None else problems)
+    tokenizer = lm.tokenizer if lm is not None else load_tokenizer(config.model)
+    prompts = {p.id: build_prompt_ids(tokenizer, p) for p in problems}
+    config.check_prompts(prompts)
+    config.check_memory(prompts, backend)
     out = Path(out)
     with RunDir(out, config.identity()) as run, connected(backend):
+        store = run.store("generations.jsonl")  # a damaged output is refused before the model loads
         # The driver's engine describes the run and is the serial backend's worker.
         engine = load_engine(config.engine, config.model, batch_size=config.batch_size, device=config.device,
                              dtype=config.dtype, seed=config.seed, lm=lm)
         try:
-            config.check_prompts({p.id: build_prompt_ids(engine.tokenizer, p) for p in problems})
             run.save_config(
                 **dataclasses.asdict(config),
                 out=str(out),
@@ -382,7 +416,6 @@ def generate_run(config: GenerationConfig, out: str | Path, backend: BackendConf
                 prompt_format="chat_template" if uses_chat_template(engine.tokenizer) else "plain (no chat template)",
                 backend=dataclasses.asdict(backend),
             )
-            store = run.store("generations.jsonl")
             todo = [p for p in problems if p.id not in store]
             if len(todo) < len(problems):
                 print(f"resuming: {len(problems) - len(todo)} of {len(problems)} problems already in {store.path}")

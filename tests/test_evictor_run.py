@@ -243,7 +243,7 @@ def test_out_that_is_a_file_or_cannot_be_created_exits_2(tiny_dir, data_file, tm
 def test_a_second_run_on_the_same_out_exits_2_at_once(tiny_dir, data_file, tmp_path, capsys):
     out = tmp_path / "run"
     with RunDir(out, {"held": "by another run"}):
-        assert run(tiny_dir, data_file, out, "--policy", "random,recency", "--budget", "48") == 2
+        assert run(tiny_dir, data_file, out, "--policy", "random,recency", "--budget", "48", "--protect", "sinks") == 2
         (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert "is in use by another run" in err
         assert sorted(p.name for p in out.iterdir()) == [".kvscope.lock"]
@@ -438,8 +438,12 @@ def test_policy_all_leaves_out_the_calibrated_policies_saying_how_to_include_the
     config, _ = _sweep_config(build_parser().parse_args([*argv, "--policy-config", str(tri), "--policy-config",
                                                          str(rkv)]))
     assert config.policies == ("triattention", "r_kv")  # the files' policies are the default --policy
+    with pytest.raises(UsageError, match="twice; give each once"):  # the same file twice
+        build_parser().parse_args([*argv, "--policy-config", str(rkv), "--policy-config", str(rkv)])
+    other = tmp_path / "rkv-other.json"
+    other.write_text(json.dumps({"policy": "r_kv", "params": {"lam": 0.25}}))
     with pytest.raises(UsageError, match="configures 'r_kv' a second time"):
-        _sweep_config(build_parser().parse_args([*argv, "--policy-config", str(rkv), "--policy-config", str(rkv)]))
+        _sweep_config(build_parser().parse_args([*argv, "--policy-config", str(rkv), "--policy-config", str(other)]))
 
 
 def test_a_ruler_task_is_compressed_block_by_block_and_graded(tiny_dir, tmp_path):

@@ -12,6 +12,13 @@ needs to remember.
 Each case replaces one flag of a valid command with one invalid value and runs the CLI in this process on the tiny
 model's saved directory; every value is refused before any model loads wherever the check needs no model, so the
 whole table runs in about a minute.
+
+Besides each flag's own values, the table holds the classes every CLI of their kind must refuse, each with its
+completeness test: a request beyond the memory limit (``--max-memory``, which every CLI that loads a model has:
+`test_every_cli_that_loads_a_model_checks_its_memory`), Ray workers this machine cannot schedule (every CLI with
+``--backend``), a list naming an item twice (`test_every_list_option_refuses_duplicates`), paths too long for the
+file system, a resume over a damaged output (every CLI that stores records: the damage is put where its first store
+is, found by running it), and damaged files to restore (`core.pack --restore`).
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "models", "tasks", "scoring", "signals", "geometry", "labeling", "validation", "evictor", "probes",
-            "figures", "study")
-# Modules with a __main__ block that are no user CLI: processes kvscope itself starts, which take no flags.
-INTERNAL = {"tasks._verify_worker", "tasks.vllm_worker"}
+            "figures", "study", "bench")
+# Modules with a __main__ block that are no user CLI: processes kvscope itself starts, which take no flags, and the
+# kvpress side of bench/kvpress_compare.py, which runs in kvpress's own environment without kvscope's CLI contract.
+INTERNAL = {"tasks._verify_worker", "tasks.vllm_worker", "bench._kvpress_side"}
 HUGE = "1" + "0" * 30
+LONG_NAME = "n" * 300  # longer than any file system takes for one name (255 bytes on most)
 
 
 # ---------------------------------------------------------------------------------------------------- the CLIs
@@ -108,8 +117,14 @@ TYPE_VALUES = {
     "thread_count": ["0", "abc", "100000"],
     "device": ["tpu", "cuda:99"],
     "count_or_all": ["-1", "some"],
+    "open_unit_interval": ["0", "1", "-1", "nan"],
+    "gigabytes": ["-1", "nan", "1e308"],
+    "prefill_contexts": ["0", "abc"],
+    # the memory class: no unit, not an amount, more than the machine has, and less than any request needs
+    "memory_size": ["0GiB", "-1GiB", "abc", "24", "nanGiB", "100TiB", "1MiB"],
 }
-FILES = ["file:missing", "file:dir", "file:binary", "file:latin1", "file:empty", "file:array_line", "file:corrupt"]
+FILES = ["file:missing", "file:dir", "file:binary", "file:latin1", "file:empty", "file:array_line", "file:corrupt",
+         "file:long_name"]
 TRACES = FILES + ["traces:prompt_ids_string", "traces:ids_not_int", "traces:out_of_vocab", "traces:no_id",
                   "traces:id_list", "traces:wrong_kind", "traces:duplicate_ids", "traces:too_long"]
 # Invalid values by option name (dest), for the options whose type is text: files of every wrong kind, names,
@@ -122,7 +137,7 @@ NAMED_VALUES = {
     "reference": TRACES + ["traces:evicted", "traces:other_model"],
     "filler": FILES,
     "labels": FILES + ["labels:positions_string", "labels:length_mismatch"],
-    "signals": FILES + ["signals:values_strings", "signals:length_mismatch"],
+    "signals": FILES + ["signals:values_strings", "signals:length_mismatch", "hidden_diff,hidden_diff"],
     "input": ["file:missing", "file:dir", "file:binary.csv", "table:wrong_columns.csv", "table:header_only.csv"],
     "policy_config": FILES + ["policy:unknown", "policy:unknown_param", "policy:float_for_int", "policy:array"],
     "runs": ["file:missing", "file:dir", "file:binary"],
@@ -133,13 +148,19 @@ NAMED_VALUES = {
     "signal": ["epikv", "=x", "epikv=bogus.agg.raw"], "against": ["bogus"],
     "budget": ["0", "inf", "32,32", "1,,2", "abc", HUGE],
     "keep": ["0", "2.5", "nan", "abc"],
-    "policy": ["bogus", "random,,h2o"],
-    "policies": ["bogus", "random,,h2o"],
-    "scorers": ["bogus", "full"],
+    "policy": ["bogus", "random,,h2o", "random,random"],
+    "policies": ["bogus", "random,,h2o", "random,random"],
+    "scorers": ["bogus", "full", "h2o,h2o"],
     "shard": ["2/2", "a/b", "-1/2"],
-    "layers": ["99", "a", "1,,2"],
-    "bands": ["1", "a,b", "99,100"],
-    "heads": ["99", "a;b"],
+    "layers": ["99", "a", "1,,2", "1,1"],
+    "bands": ["1", "a,b", "99,100", "1,1"],
+    "heads": ["99", "a;b", "0,0", "0;0"],
+    "methods": ["bogus", "snapkv,snapkv"],
+    "settings": ["hf-0", "tpu-1", "hf-1,hf-1"],
+    "models": ["bogus-model", "smollm2-135m,smollm2-135m"],
+    "variants": ["bogus", "token,token"],
+    "n_boot": ["10000000000000"],  # replicates beyond any machine's memory
+    "json": ["file:dir", f"file:{LONG_NAME}"],
     "distance": ["0", "abc", "99999999t"],
     "replacement": ["bogus", "999999999"],
     "smoothing": ["bogus"], "band_smoothing": ["bogus"], "engine": ["bogus"], "kernels": ["bogus"],
@@ -147,22 +168,29 @@ NAMED_VALUES = {
     "correction": ["bogus"], "signal_names": ["bogus"], "name": ["bogus"], "ci": ["bogus"], "label": ["bogus"],
     "value": ["bogus"], "low": ["bogus"], "high": ["bogus"], "group": ["bogus"], "dense": ["bogus"],
     "band_signal": ["bogus"], "raw": ["bogus"], "z": ["bogus"], "band_order": ["R,R,E", "X,Y,Z"],
-    "stem": ["../escape", "a/b"],
-    "source": ["file:missing", "file:binary"],
+    "stem": ["../escape", "a/b", LONG_NAME],
+    "title": ["$\\frac{$"],  # not mathtext matplotlib can draw
     "gzip": ["a/b.jsonl"],
+    "study": ["file:missing", "file:dir", "file:binary", "file:long_name"], "trace": ["bogus"],
     "address": ["127.0.0.1:1"],
     "workers": ["100000"],
+    "cpus_per_worker": ["0.00004"], "gpus_per_worker": ["0.00004"],
+    "prefill_out": ["out:file"], "source": ["file:missing", "file:binary"],
     # token counts beyond the tiny model's context (4096 positions)
     "max_new_tokens": ["100000"], "window": ["100000"], "max_answer_tokens": ["100000"], "ctx": ["100000"],
     "teacher_block": ["100000"], "query_window": ["100000"], "recency": ["100000"], "buffer": ["100000"],
 }
+# Values of `NAMED_VALUES` for a CLI whose model is not the tiny one: the random 8B-shaped Llama of the prefill-memory
+# bench takes 131072 positions.
+CLI_VALUES = {("bench.prefill_memory", "ctx"): ["200000"]}
 # Options that no value makes invalid: free text and switches (a switch given a value is still tested).
-FREE = {"title", "xlabel", "gap_label"}
+FREE = {"xlabel", "gap_label"}
 
 
 def invalid_values(cli: str, action: argparse.Action) -> list[str]:
     """The invalid values of one option of `cli`: by its name, its type and its choices; a switch given a value."""
-    values = list(NAMED_VALUES.get(action.dest, []))
+    named = CLI_VALUES.get((cli, action.dest), NAMED_VALUES.get(action.dest, []))
+    values = list(named) if action.nargs != 0 else []  # a switch takes no value
     if action.dest == "out":
         kinds = FILE_OUTS if output_file(cli) else DIRECTORY_OUTS
         values = [kind for kind in kinds if kind not in SHARED_OUTS.get(cli, set())]
@@ -172,7 +200,24 @@ def invalid_values(cli: str, action: argparse.Action) -> list[str]:
         values.append("bogus")
     if action.nargs == 0:
         values.append("=given")
+    if takes_many(action):
+        values.append("=duplicate")
     return values
+
+
+def takes_many(action: argparse.Action) -> bool:
+    """Whether an option takes a list as several values (``nargs`` + or *, or repeated), not a fixed number."""
+    return action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+
+
+def takes_text_list(action: argparse.Action) -> bool:
+    """Whether an option takes a list in one value (its help says comma- or ';'-separated)."""
+    return re.search(r"comma[ -](list|separated)|';'-separated", (action.help or "").lower()) is not None
+
+
+def repeats_an_item(value: str) -> bool:
+    items = [item.strip() for item in re.split(r"[,;]", value) if item.strip()]
+    return len(items) != len(set(items))
 
 
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -232,8 +277,24 @@ def fx(tmp_path_factory, tiny_dir):
                                            "h2o,random,0.5,-0.3,-0.5,-0.1,8\nrecency,random,0.5,0.0,-0.1,0.1,8\n"
                                            "full,random,,0.1,0.0,0.2,8\n")
     f["tables"] = str(tables)
+    f["forced_labels"] = _jsonl(root / "forced-labels.jsonl", [_forced_label(t) for t in traces])
+    from test_trace_viewer import make_study
+
+    f["study"] = str(make_study(root / "study", traces=1))
     _bad_files(root / "bad", f)
     return f
+
+
+def _forced_label(trace: dict) -> dict:
+    """A hand-made labelled record of `trace` as the teacher-forced evictor reads it: its tokens, reasoning span,
+    forced answer cue (the trace's last 4 tokens) and the reference answer's ids and log-probability."""
+    ids = trace["prompt_ids"] + trace["generated_ids"]
+    start, answer = len(trace["prompt_ids"]), len(ids) - 4
+    return {"kind": "label", "id": trace["id"], "dataset": "gsm8k", "model": trace["model"], "status": "labelled",
+            "token_ids": ids, "reasoning_start": start, "answer_start": answer, "positions": list(range(answer)),
+            "labels": [0] * answer, "intervention": "token",
+            "forced_cue": {"start": answer, "end": answer + 2, "text": "", "kind": "boxed", "box": True},
+            "graded": {"answer_ids": ids[answer + 2:], "reference_logp": -1.0}}
 
 
 def _bad_files(bad: Path, f: dict) -> None:
@@ -317,20 +378,49 @@ BASES = {
               "--budget", "0.5", "--window", "8", "--stride", "4", "--max-answer-tokens", "4", "--no-force-answer",
               "--scorers", "random,h2o", "--n-boot", "50", "--compare-n-boot", "50", "--quiet", "--out", "OUT"],
     "figures.projection": ["--out", "OUT"],
+    "bench.decode_throughput": ["--model", "{tiny}", "--policies", "random", "--budget", "256", "--buffer", "8",
+                                "--new-tokens", "4", "--repeats", "1"],
+    "bench.attention_kernels": ["--model", "{tiny}", "--policies", "h2o", "--budget", "256", "--buffer", "8",
+                                "--new-tokens", "4", "--repeats", "1"],
+    "bench.gpu_check": ["--small", "--context", "128", "--new-tokens", "8", "--budget", "32", "--buffer", "8",
+                        "--block", "32", "--policies", "random", "--skip-check", "--prefill-ctx", "64",
+                        "--prefill-out", "OUT"],
+    "bench.equal_memory": ["--model", "{tiny}", "--policies", "random", "--memory-gb", "0.001", "--context", "64",
+                           "--budget", "16", "--buffer", "4", "--block", "16", "--new-tokens", "8", "--max-batch",
+                           "2", "--out", "OUT"],
+    "bench.prefill_memory": ["--ctx", "64", "--layers", "1", "--target-layers", "2", "--device", "cpu", "--dtype",
+                             "float32", "--out", "OUT"],
+    "bench.generation_throughput": ["--models", "{tiny}", "--settings", "hf-1", "--problems", "2",
+                                    "--max-new-tokens", "4", "--data-file", "{arithmetic}", "--out", "OUT"],
+    "bench.occlusion_speed": ["--traces", "{traces}", "--model", "{tiny}", "--window", "8", "--stride", "4",
+                              "--max-answer-tokens", "4", "--batch-size", "4", "--json", "OUT/speed.json"],
+    "bench.labelling_engines": ["--traces", "{traces}", "--include-incorrect", "--max-answer-tokens", "4",
+                                "--out", "OUT"],
+    "evictor.teacher_forced": ["--labels", "{forced_labels}", "--policy", "random,h2o", "--budget", "0.5",
+                               "--out", "OUT"],
+    "validation.label_kinds": ["--labels", "token={forced_labels}", "--out", "OUT"],
+    "figures.trace": ["--study", "{study}", "--out", "OUT/viewer.html"],
+    "bench.label_kinds": ["--traces", "{traces}", "--model", "{tiny}", "--limit", "2", "--repeats", "1",
+                          "--variants", "token", "--max-answer-tokens", "4"],
+    "bench.kvpress_compare kept": ["--model", "tiny-llama", "--ctx", "128", "--ratio", "0.5", "--methods",
+                                   "snapkv", "--out", "OUT/jaccard.csv"],
+    "bench.kvpress_compare speed": ["--target", "64", "--interval", "8", "--new-tokens", "8", "--repeats", "1"],
     **{f"figures.{name}": [a.replace("{figure}", name) for a in _FIGURE]
        for name in ("layer_rho", "raw_vs_z", "sink_ratio", "bos_ratio", "layer_geometry", "accuracy_budget",
                     "cost_budget", "prefill_memory", "head_sets", "forest")},
 }
 # What an --out can be that is wrong: for a directory output, and for a file output (OUT/<name>).
-DIRECTORY_OUTS = ["out:file", "out:below_file", "out:unwritable", "out:other_run", "out:in_use"]
-FILE_OUTS = ["out:dir", "out:below_file", "out:unwritable", "out:other_run", "out:in_use"]
-# Outputs another run's may share: a figure directory holds many figures (figures keep no identity), a
-# calibration file is one file written atomically, replacing what was there, with no lock to share, and a committed
-# folder (core.pack) is brought up to date, keeping what the source lacks.
-SHARED_OUTS = {**{cli: {"out:other_run"} for cli in BASES if cli.startswith("figures.")},
-               "evictor.calibrate triattention": {"out:other_run", "out:in_use"},
+DIRECTORY_OUTS = ["out:file", "out:below_file", "out:unwritable", "out:other_run", "out:in_use", "out:long_name"]
+FILE_OUTS = ["out:dir", "out:below_file", "out:unwritable", "out:other_run", "out:in_use", "out:long_name"]
+# Outputs another run's may share: a calibration file is one file written atomically, replacing what was there, with
+# no lock to share, and a committed folder (core.pack) is brought up to date, keeping what the source lacks. (A
+# figure directory holds many figures, but never another run's results.)
+SHARED_OUTS = {"evictor.calibrate triattention": {"out:other_run", "out:in_use"},
+               "bench.kvpress_compare kept": {"out:other_run", "out:in_use"},
                "core.pack": {"out:other_run", "out:in_use"},
-               "evictor.calibrate thinkv": {"out:other_run", "out:in_use"}}
+               "evictor.calibrate thinkv": {"out:other_run", "out:in_use"},
+               # the viewer is one page written atomically over the last one, as a figure is
+               "figures.trace": {"out:other_run", "out:in_use"}}
 
 
 def output_file(cli: str) -> str | None:
@@ -346,7 +436,9 @@ def resolve(value: str, f: dict, work: Path, cli: str) -> tuple[str, contextlib.
     bad = f["root"] / "bad"
     kind, _, name = value.partition(":")
     if kind == "file":
-        return (str(work / "missing.jsonl") if name == "missing" else str(bad / name)), held
+        if name == "missing":
+            return str(work / "missing.jsonl"), held
+        return (str(work / LONG_NAME) if name in ("long_name", LONG_NAME) else str(bad / name)), held
     if kind in ("traces", "problems", "labels", "signals"):
         return str(bad / f"{kind}-{name}.jsonl"), held
     if kind == "policy":
@@ -362,6 +454,8 @@ def _out(kind: str, work: Path, name: str | None) -> tuple[str, contextlib.Abstr
     """The --out of an ``out:`` case: a directory output's directory, or the file `name` in it."""
     out = work / "out"
     held = contextlib.nullcontext()
+    if kind == "long_name":
+        return (str(out / f"{LONG_NAME}{Path(name).suffix}") if name else str(work / LONG_NAME)), held
     if kind in ("file", "dir"):
         out.mkdir() if kind == "dir" else out.write_text("not a run\n")
         return str(out), held
@@ -405,9 +499,14 @@ def _locks(out: Path, stem: str | None):
 
 
 def substitute(argv: list[str], flag: str, value: str, action: argparse.Action) -> list[str]:
-    """`argv` with `flag` set to `value` (added when absent; every value of a multi-valued flag replaced)."""
+    """`argv` with `flag` set to `value` (added when absent; every value of a multi-valued flag replaced);
+    ``=duplicate`` gives a list option one item twice (its first value in `argv`, else one its type takes)."""
     if value == "=given":
         return [*argv, f"{flag}=x"]
+    if value == "=duplicate":
+        item = argv[argv.index(flag) + 1] if flag in argv else "1" if action.type is not None else "x"
+        argv = substitute(argv, flag, item, action)
+        return [*argv, flag, item] if isinstance(action, argparse._AppendAction) else [*argv, item]
     if not action.option_strings:  # a positional
         return [value]
     argv = list(argv)
@@ -459,20 +558,37 @@ def test_every_option_has_invalid_values():
     assert not untested, f"give these options invalid values in TYPE_VALUES or NAMED_VALUES: {untested}"
 
 
-@pytest.mark.parametrize("cli, flag, value", CASES)
-def test_an_invalid_value_is_refused_in_one_line(cli, flag, value, fx, tmp_path, monkeypatch, capsys):
-    module, prefix, parser = PARSERS[cli]
-    action = next(a for a in options(parser) if flag_of(a) == flag)
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    given, held = resolve(value, fx, work, cli)
-    base = [str(work / "out") + a.removeprefix("OUT") if a.startswith("OUT") else a.format(**fx) for a in BASES[cli]]
-    if action.dest == "dataset" and "--data-file" in base:  # a data file stands in for the dataset: read its name
-        del base[base.index("--data-file"):base.index("--data-file") + 2]
-    argv = [*prefix, *substitute(base, flag, given, action)]
+def test_every_list_option_refuses_duplicates():
+    """A list naming an item twice (a budget, a layer, a policy, a file) is refused: a list option given as several
+    values gets ``=duplicate``; one given in one comma- or ';'-separated value needs a value repeating an item."""
+    missing = [f"{cli} {flag_of(action)}" for cli, (_, _, parser) in PARSERS.items() for action in options(parser)
+               if takes_text_list(action) and not any(repeats_an_item(v) for v in invalid_values(cli, action))]
+    assert not missing, f"give these list options a value naming an item twice in NAMED_VALUES: {missing}"
+
+
+def loads_a_model(parser: argparse.ArgumentParser) -> bool:
+    return any(action.dest in ("model", "models", "traces", "device") for action in options(parser))
+
+
+def test_every_cli_that_loads_a_model_checks_its_memory():
+    """A CLI that loads a model has ``--max-memory`` (`core.cli.add_device_arguments` adds it beside --device), so the
+    memory class (`TYPE_VALUES["memory_size"]`: a limit below any request) reaches it."""
+    missing = [cli for cli, (_, _, parser) in PARSERS.items()
+               if loads_a_model(parser) and not any(action.dest == "max_memory" for action in options(parser))]
+    assert not missing, f"check the memory of these CLIs before they start and give them --max-memory: {missing}"
+
+
+def command(cli: str, work: Path, fx: dict) -> list[str]:
+    """`cli`'s valid command (`BASES`) with its output under `work` and its inputs from `fx`."""
+    return [str(work / "out") + a.removeprefix("OUT") if a.startswith("OUT") else a.format(**fx) for a in BASES[cli]]
+
+
+def assert_refused(module: str, argv: list[str], work: Path, fx: dict, capsys,
+                   held: contextlib.AbstractContextManager | None = None) -> str:
+    """Run `module`'s main on `argv` (while `held` is held) and check the contract: exit status 2, one line on stderr
+    and no traceback, nothing written or changed under `work` nor among the inputs; returns the line."""
     inputs_before = snapshot(fx["root"])
-    with held:
+    with held or contextlib.nullcontext():
         before = snapshot(work)
         status = importlib.import_module(module).main(argv)
         after = snapshot(work)
@@ -481,6 +597,165 @@ def test_an_invalid_value_is_refused_in_one_line(cli, flag, value, fx, tmp_path,
     assert "Traceback" not in err, err
     assert status == 2, f"exit {status}: {err[-2000:]}"
     assert len(lines) == 1, err
-    assert names(lines[0], given if value != "=given" else flag), f"the error does not name {given!r}: {lines[0]}"
     assert after == before, "files were left or changed"
     assert snapshot(fx["root"]) == inputs_before, "an input was changed"
+    return lines[0]
+
+
+@pytest.mark.parametrize("cli, flag, value", CASES)
+def test_an_invalid_value_is_refused_in_one_line(cli, flag, value, fx, tmp_path, monkeypatch, capsys):
+    module, prefix, parser = PARSERS[cli]
+    action = next(a for a in options(parser) if flag_of(a) == flag)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    given, held = resolve(value, fx, work, cli)
+    base = command(cli, work, fx)
+    if action.dest == "dataset" and "--data-file" in base:  # a data file stands in for the dataset: read its name
+        del base[base.index("--data-file"):base.index("--data-file") + 2]
+    argv = [*prefix, *substitute(base, flag, given, action)]
+    line = assert_refused(module, argv, work, fx, capsys, held)
+    named = flag if value in ("=given", "=duplicate") else given
+    assert names(line, named), f"the error does not name {named!r}: {line}"
+
+
+# ---------------------------------------------------------------------------------------------------- Ray workers
+BACKEND_CLIS = [cli for cli, (_, _, parser) in PARSERS.items() if any(a.dest == "backend" for a in options(parser))]
+# What Ray cannot schedule on this machine: more workers than its cores take, and a reservation below Ray's step.
+UNSCHEDULABLE = {"too_many_workers": ["--workers", "4096", "--cpus-per-worker", "0.0004"],
+                 "below_ray_step": ["--cpus-per-worker", "0.00004"]}
+
+
+@pytest.mark.parametrize("cli", BACKEND_CLIS)
+@pytest.mark.parametrize("kind", UNSCHEDULABLE)
+def test_ray_workers_the_machine_cannot_schedule_are_refused_before_ray_starts(cli, kind, fx, tmp_path, monkeypatch,
+                                                                               capsys):
+    pytest.importorskip("ray")
+    import ray
+
+    module, prefix, _ = PARSERS[cli]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    line = assert_refused(module, [*prefix, *command(cli, work, fx), "--backend", "ray", *UNSCHEDULABLE[kind]],
+                          work, fx, capsys)
+    assert ("--workers" if kind == "too_many_workers" else "--cpus-per-worker") in line, line
+    assert not ray.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------- damaged resume
+class _FirstStore(Exception):
+    """Raised by `RunDir.store` while a CLI's first store is being found: the run stops there."""
+
+
+def imports(module: str, seen: set[str] | None = None) -> set[str]:
+    """`module` and every kvscope module it imports, at module level or inside functions, transitively."""
+    seen = set() if seen is None else seen
+    path = ROOT / Path(*module.split(".")).with_suffix(".py")
+    if module in seen or not path.is_file():
+        package = ROOT / Path(*module.split(".")) / "__init__.py"
+        if module in seen or not package.is_file():
+            return seen
+        path = package
+    seen.add(module)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names_ = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:  # a module, or names of one
+            names_ = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            names_ = []
+        for name in names_:
+            if name.split(".")[0] in PACKAGES:
+                imports(name, seen)
+    return seen
+
+
+def stores_records(module: str) -> bool:
+    """Whether `module` or a module it imports calls ``.store(...)`` (`core.rundir.RunDir.store`): a CLI that may
+    resume. Which file it stores first is found by running it (`first_store`)."""
+    for name in imports(module):
+        path = ROOT / Path(*name.split(".")).with_suffix(".py")
+        path = path if path.is_file() else ROOT / Path(*name.split(".")) / "__init__.py"
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "store"
+               for node in ast.walk(tree)):
+            return True
+    return False
+
+
+RESUMABLE = [cli for cli, (module, _, _) in PARSERS.items() if stores_records(module)]
+# The damage a resume refuses: a record without its key, a line that is a JSON array, a corrupt line that is not the
+# last (a torn last line is what a crash leaves and is repaired; one followed by another record is not).
+DAMAGES = {"record_without_id": b'{"kind": "record"}\n', "array_line": b"[1, 2, 3]\n",
+           "corrupt_middle_line": b'{"id": "a", "ki\n{"id": "b"}\n'}
+
+
+@pytest.fixture(scope="module")
+def first_stores(fx, tmp_path_factory):
+    """CLI -> the file its valid command stores records in first, relative to its work directory (None: it stored
+    none), found by running the command until `core.rundir.RunDir.store` is called."""
+    found: dict[str, str | None] = {}
+
+    def first_store(cli: str) -> str | None:
+        if cli in found:
+            return found[cli]
+        from core.rundir import RunDir
+
+        work = tmp_path_factory.mktemp("first-store")
+        module, prefix, _ = PARSERS[cli]
+        opened = []
+
+        def store(self, name, key="id"):
+            opened.append(str((self.path / name).relative_to(work)))
+            raise _FirstStore
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RunDir, "store", store)
+            patch.chdir(work)
+            with contextlib.suppress(_FirstStore):
+                importlib.import_module(module).main([*prefix, *command(cli, work, fx)])
+        found[cli] = opened[0] if opened else None
+        return found[cli]
+
+    return first_store
+
+
+def test_every_cli_that_stores_records_is_resumable_here():
+    assert {"tasks.run", "evictor.run", "labeling.occlusion", "signals", "probes.passcode", "probes.planted_fact",
+            "geometry.survey", "validation.parity", "evictor.replay", "study"} <= set(RESUMABLE)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("cli", RESUMABLE)
+def test_a_resume_over_a_damaged_output_is_refused_and_touches_nothing(cli, damage, first_stores, fx, tmp_path,
+                                                                       monkeypatch, capsys):
+    stored = first_stores(cli)
+    capsys.readouterr()  # what finding the first store printed
+    if stored is None:
+        pytest.skip(f"{cli}'s valid command stores no record")
+    module, prefix, _ = PARSERS[cli]
+    work = tmp_path / "work"
+    (work / stored).parent.mkdir(parents=True)
+    (work / stored).write_bytes(DAMAGES[damage])
+    monkeypatch.chdir(work)
+    line = assert_refused(module, [*prefix, *command(cli, work, fx)], work, fx, capsys)
+    assert Path(stored).name in line and "resume" in line, line
+
+
+# ---------------------------------------------------------------------------------------------------- restore
+@pytest.mark.parametrize("damage", ["not_gzip", "torn_gzip"])
+def test_a_restore_of_a_damaged_gzip_is_refused_and_writes_nothing(damage, fx, tmp_path, monkeypatch, capsys):
+    """`core.pack --restore` checks every .gz whole before writing the first file (files of the wrong kind)."""
+    import gzip
+
+    source, work = tmp_path / "committed", tmp_path / "work"
+    source.mkdir()
+    work.mkdir()
+    (source / "config.json").write_text("{}\n")  # written first, were the damage found late
+    whole = gzip.compress(b'{"id": "a"}\n' * 100)
+    (source / "generations.jsonl.gz").write_bytes(whole[: len(whole) // 2] if damage == "torn_gzip" else b"text\n")
+    monkeypatch.chdir(work)
+    line = assert_refused("core.pack", ["--restore", "--source", str(source), "--out", str(work / "out")], work, fx,
+                          capsys)
+    assert "generations.jsonl.gz" in line, line

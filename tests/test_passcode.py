@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_parse_policies():
     names = policy_names()
-    assert parse_policies("random, h2o,random", names) == ["random", "h2o"]
+    assert parse_policies("random, h2o", names) == ["random", "h2o"]
+    with pytest.raises(UsageError, match="random twice"):  # a policy named twice would be run twice
+        parse_policies("random, h2o,random", names)
     with pytest.raises(UsageError, match="did you mean 'random'"):
         parse_policies("random,randon", names)
     with pytest.raises(UsageError, match="at least one"):

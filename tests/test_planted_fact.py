@@ -76,9 +76,12 @@ def test_pinned_fact_wraps_the_policy_and_averages_shared_scores():
 
 
 def test_parse_head_sets_and_layers():
-    sets = parse_head_sets("0; 0,1 ;all;none;1,0", 3, "m")
-    assert [(s.label, s.heads) for s in sets] == [("0", (0,)), ("0,1", (0, 1)), ("all", (0, 1, 2)), ("none", ()),
-                                                  ("1,0", (0, 1))]
+    sets = parse_head_sets("0; 1,0 ;all;none", 3, "m")
+    assert [(s.label, s.heads) for s in sets] == [("0", (0,)), ("1,0", (0, 1)), ("all", (0, 1, 2)), ("none", ())]
+    with pytest.raises(UsageError, match="twice"):  # the same set, however written, would be run twice
+        parse_head_sets("0,1;1,0", 3, "m")
+    with pytest.raises(UsageError, match="twice"):
+        parse_head_sets("0,0", 3, "m")
     with pytest.raises(UsageError, match=r"heads 3, 5 out of range: smollm2-135m has KV heads 0\.\.2"):
         parse_head_sets("2,3,5", 3, "smollm2-135m")
     with pytest.raises(UsageError, match="empty head set"):
@@ -304,8 +307,8 @@ def test_probe_clis_refuse_an_unusable_out_or_device_at_once(tmp_path, data_dir,
     occupied.write_text("a file where a run directory is asked for")
     with RunDir(tmp_path / "held", {"probe": "another run"}):
         before = sorted(tmp_path.rglob("*"))
-        argv = ["--model", "tiny-llama", "--data-file", os.path.join(data_dir, "math500.jsonl"), "--out",
-                str(tmp_path / "run"), *(arg.format(file=occupied, held=tmp_path / "held") for arg in extra)]
+        argv = ["--model", "tiny-llama", "--data-file", os.path.join(data_dir, "math500.jsonl"), "--box", "32",
+                "--out", str(tmp_path / "run"), *(arg.format(file=occupied, held=tmp_path / "held") for arg in extra)]
         assert probe_main(argv) == 2
         assert sorted(tmp_path.rglob("*")) == before
     assert occupied.read_text() == "a file where a run directory is asked for"

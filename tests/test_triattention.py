@@ -225,7 +225,7 @@ def test_without_a_calibration_the_run_stops_with_one_line_naming_the_command(tm
         get_policy("triattention").for_depth(4)  # what the engine calls first
     out = tmp_path / "run"
     code = run_main(["--model", "tiny-llama", "--dataset", "math500", "--data-file", f"{data_dir}/math500.jsonl",
-                     "--limit", "1", "--policy", "triattention", "--budget", "64", "--out", str(out)])
+                     "--limit", "1", "--policy", "triattention", "--budget", "512", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "python -m evictor.calibrate triattention" in err[0]
     assert not out.exists()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy import stats as sps
 
 from core.errors import UsageError
 from validation.stats import bootstrap_means, percentile_interval, wilson_interval
@@ -79,6 +78,8 @@ def sign_test(a, b) -> SignTestResult:
     a_better = int(np.count_nonzero(a > b))
     b_better = int(np.count_nonzero(b > a))
     n = a_better + b_better
+    from scipy import stats as sps  # scipy.stats takes a second to import: not before a comparison is made
+
     p = 1.0 if n == 0 else float(min(1.0, 2.0 * sps.binom.cdf(min(a_better, b_better), n, 0.5)))
     return SignTestResult(a_better, b_better, n, p)
 

@@ -38,8 +38,10 @@ import torch
 
 from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int
 from core.errors import UsageError
+from core.limits import MemoryLimit
 from core.rundir import RunDir
 from core.schemas import Trace
+from models.footprint import forward_footprint, model_shape
 from signals.traces import read_dense_traces, traces_model
 from validation.report import write_json
 from validation.stats import wilson_interval
@@ -162,14 +164,19 @@ def _run(argv: list[str] | None) -> int:
         raise UsageError(f"{where}: no trace in the file")
     check_greedy(traces, where)
     model_name = traces_model(traces, args.model, where)
+    longest = max(len(trace.token_ids) for trace in traces)
+    generated = max(len(trace.generated_ids) for trace in traces)
+    forward_footprint(model_shape(model_name, args.dtype, args.device), 1, longest, logits=generated).check(
+        f"{model_name} reading traces of up to {longest} tokens ({where})",
+        MemoryLimit.of(args.device, args.max_memory), "use shorter traces")
     identity = {"traces": str(Path(args.traces).resolve()), "model": model_name, "limit": args.limit,
                 "dtype": args.dtype}
     with RunDir(args.out, identity) as run:
         from models.loading import load_model
 
+        store = run.store("parity.jsonl")  # a damaged output is refused before the model loads
         lm = load_model(model_name, device=args.device, dtype=args.dtype)
         run.save_config(loaded_model=lm.describe())
-        store = run.store("parity.jsonl")
         todo = [t for t in traces if t.id not in store]
         for trace in tqdm(todo, desc="parity", unit="trace", file=sys.stderr, disable=args.quiet):
             store.append(trace_parity(lm, trace))

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from core.cli import ArgumentParser, main_guard, positive_int, seed_int
-from core.errors import UsageError
+from core.errors import UsageError, unknown_choice
 from core.rundir import RunDir
 from validation.report import fmt, write_csv, write_json
 from validation.stats import DEFAULT_N_BOOT, DEFAULT_N_PERM, RankTest, stratified_spearman
@@ -316,6 +316,9 @@ def _main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--compare: no row compares a configuration at a budget with {args.against!r} in "
                          f"{', '.join(args.compare)}")
     policies = {r["scorer"]: r["policy"] or r["scorer"] for r in deployed}
+    for name in signals:
+        if name not in policies:  # a configuration no comparison deploys would have its signal silently unused
+            raise unknown_choice("--signal configuration", name, policies)
     ranking = _read_csv(args.ranking, RANKING_COLUMNS)
     offline = offline_from_ranking(ranking, policies, {**selected_signals(ranking, policies), **signals})
     found = predictive(offline, deployed, level=args.level, n_boot=args.n_boot, n_perm=args.n_perm, seed=args.seed)

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
-from statsmodels.stats.multitest import multipletests
 
 from core.errors import UsageError, unknown_choice
+from core.limits import check_memory
+
+# scipy.stats and statsmodels are imported by the functions that use them: they take seconds to import, and the
+# command lines read this module's defaults before anything is computed (`--help` answers without them).
 
 CORRECTIONS = (
     "none",
@@ -54,6 +56,8 @@ def spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     if x2.shape[0] < 2:
         rho = np.full(x2.shape[1], np.nan)
         return rho[0] if column else rho
+    from scipy import stats as sps
+
     rx = sps.rankdata(x2, axis=0)
     ry = sps.rankdata(y)
     rx -= rx.mean(axis=0)
@@ -70,6 +74,8 @@ def spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def _critical(level: float) -> float:
     if not 0.0 < level < 1.0:
         raise UsageError(f"confidence level must be in (0, 1), got {level}")
+    from scipy import stats as sps
+
     return float(sps.norm.ppf(0.5 + level / 2.0))
 
 
@@ -106,6 +112,8 @@ def fisher_z_pvalue(rho: Any, n_eff: Any) -> np.ndarray:
     _check_n_eff(n_eff)
     with np.errstate(divide="ignore"):
         stat = np.abs(np.arctanh(rho)) * np.sqrt(n_eff - 3.0)
+    from scipy import stats as sps
+
     return 2.0 * sps.norm.sf(stat)
 
 
@@ -149,6 +157,8 @@ def t_interval(values: Any, level: float = 0.95) -> tuple[Any, Any, Any, Any]:
     mean[some] = np.where(finite, matrix, 0.0).sum(axis=0)[some] / n[some]
     ok = n > 1
     if ok.any():
+        from scipy import stats as sps
+
         k, mu = n[ok], mean[ok]
         deviation = np.where(finite[:, ok], matrix[:, ok] - mu, 0.0)
         se = np.sqrt((deviation * deviation).sum(axis=0) / (k - 1) / k)
@@ -162,6 +172,12 @@ def t_interval(values: Any, level: float = 0.95) -> tuple[Any, Any, Any, Any]:
     return mean, lo, hi, p
 
 
+def check_replicates(n_boot: int, units: int, values: int) -> None:
+    """Refuse `n_boot` bootstrap replicates of `units` resampled units when the float64 arrays they need at once,
+    `values` numbers per replicate, exceed this machine's memory: refused at once rather than killed mid-way."""
+    check_memory(f"--n-boot {n_boot} over {units} units", 8 * n_boot * values, remedy="lower --n-boot")
+
+
 def bootstrap_means(values: Any, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """`n_boot` bootstrap replicates of the mean of `values` ([units] or [units, columns]), resampling units.
 
@@ -173,6 +189,7 @@ def bootstrap_means(values: Any, n_boot: int, rng: np.random.Generator) -> np.nd
     column = values.ndim == 1
     matrix = values[:, None] if column else values
     n = matrix.shape[0]
+    check_replicates(n_boot, n, matrix.shape[1])
     finite = np.isfinite(matrix)
     filled = np.where(finite, matrix, 0.0)
     out = np.empty((n_boot, matrix.shape[1]))
@@ -403,6 +420,7 @@ def stratified_spearman(x: Any, strata: list[tuple[Any, Any]], level: float = 0.
         p_floor = int(np.count_nonzero(null >= np.nanmax(null) - tolerance)) / orders.shape[0]
     else:
         p, p_floor = (extreme + 1) / (n_perm + 1), 1.0 / (n_perm + 1)
+    check_replicates(n_boot, k, 2 * k + len(strata_k))  # the draws as int64, then as float, and each stratum's rho
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=n_boot).astype(float)  # [n_boot, k] draws per unit
     per = np.array([_spearman_with_counts(xs[units], y, counts[:, units]) for units, y in strata_k])
     present = np.isfinite(per)
@@ -434,6 +452,8 @@ def adjust_pvalues(pvalues: Any, method: str = "fdr_bh", alpha: float = 0.05) ->
             adjusted[finite] = p[finite]
             reject[finite] = p[finite] < alpha
         else:
+            from statsmodels.stats.multitest import multipletests
+
             rej, padj, _, _ = multipletests(p[finite], alpha=alpha, method=method)
             adjusted[finite] = padj
             reject[finite] = rej
