@@ -23,4 +23,8 @@ model.
 
 `figures.layer_rho.from_validation_table` turns a layers.csv into table 1's columns; the figure CLIs accept either.
 `figures.notebook` holds what the notebooks share.
+
+`figures.trace` (``python -m figures.trace --study DIR``) is no table figure: it writes the trace viewer, one HTML
+page showing a study's traces token by token (labels, scores, what each policy kept); it reads the model's tokenizer
+to show the tokens as text, never its weights.
 """

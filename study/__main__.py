@@ -240,6 +240,7 @@ def _run(argv: list[str] | None) -> int:
         return 130
     print(headline(result))
     print(f"\nreport: {result.out / 'report.md'} (reproduce: {shlex.join(command)})")
+    print(f"trace viewer: {result.out / VIEWER_FILE} (open it in a browser: every trace token by token)")
     return 0
 
 

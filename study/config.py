@@ -23,7 +23,7 @@ from labeling.labeler import (
 from labeling.replacement import check_spec
 from labeling.windows import DEFAULT_TAIL
 from models.registry import DEFAULT_MODEL
-from signals.hidden import DEFAULT_WINDOW
+from validation.layers import DEFAULT_WINDOW
 from validation.stats import DEFAULT_N_BOOT
 
 if TYPE_CHECKING:

@@ -327,4 +327,5 @@ def run_study(config: StudyConfig, out: str | Path, backend: BackendConfig | Non
         study.run("compare", settings["compare"], lambda d: stages.compare_stage(config, rec["evictor"].outputs, paths))
         result = StudyResult(config, out, dict(rec), command or [], time.perf_counter() - started)
         write_report(result)
+        write_viewer(result)
     return result

@@ -22,6 +22,7 @@ import numpy as np
 from core.cli import atomic_write
 from core.errors import UsageError
 from core.rundir import source_revision
+from figures.trace import VIEWER_FILE as VIEWER
 from study import stages
 from study.config import PAPER_DEFAULTS, REFERENCE, is_long_context
 from validation.report import write_csv, write_json
@@ -554,7 +555,8 @@ def kinds_lines(result) -> list[str]:
             "Per label kind (" + "; ".join(f"{k}: {KIND_TEXT[k]}" for k in kinds) + "): the important windows in "
             "each fifth of the reasoning span (by start; the window ending at the answer boundary on its own), their "
             "share of all important windows, and the mean graded effect of the windows there (the change of the "
-            "reference answer's log-probability; for joint labels the gain from keeping the unit)." + joint, "",
+            "reference answer's log-probability when the window, or a joint label's unit with the rest of the cache "
+            "evicted at its budget, is taken away: negative where the answer needs it)." + joint, "",
             table(header, rows)]
 
 
@@ -607,8 +609,8 @@ def known_section(result) -> str:
     if "labels" not in known:
         return f"No known-answer check: {known.get('reason', 'no labels')}."
     labels = known["labels"]
-    rows = [[cls, labels[f"{cls}_windows"], labels[f"{cls}_flipped"]] for cls in ("planted", "key", "decoy", "filler",
-                                                                                 "flush")]
+    rows = [[cls, labels[f"{cls}_windows"], labels[f"{cls}_flipped"]]
+            for cls in ("planted", "key", "decoy_key", "decoy", "filler", "flush") if f"{cls}_windows" in labels]
     lines = ["The traces are constructed (`tasks.known_answer`): the answer copies one note's value, which appears "
              "nowhere else in the context, and decoy notes of the same form are not needed. A window is *planted* "
              "when it overlaps the needed value, *key* when it touches the rest of the needed note only (neither "
@@ -619,14 +621,24 @@ def known_section(result) -> str:
              f"{pct(labels['precision'])} [{pct(labels['precision_lo'])}, {pct(labels['precision_hi'])}]; decoy "
              f"windows that kept the answer {pct(labels['decoy_kept'])}, filler windows {pct(labels['filler_kept'])} "
              "(Wilson intervals over windows, which share their trace's context, so they are somewhat narrow)."]
-    if known.get("kinds"):
+    kinds = {"token": labels, **known.get("kinds", {})}
+    # the needed notes of a trace stated twice, or reached in two hops: recall per copy or per hop, and the share of
+    # traces in which a window over every needed note changed the answer
+    groups = [g for g in ("copy1", "copy2", "hop1", "hop2") if labels.get(f"{g}_windows") and (
+        g.startswith("copy") and labels.get("copy2_windows") or g.startswith("hop") and labels.get("hop2_windows"))]
+    if len(kinds) > 1 or groups:
         rows = [[kind, f"{pct(found['recall'])} [{pct(found['recall_lo'])}, {pct(found['recall_hi'])}]",
                  f"{pct(found['precision'])} [{pct(found['precision_lo'])}, {pct(found['precision_hi'])}]",
+                 *[f"{pct(found.get(f'{g}_recall'))} ({found.get(f'{g}_flipped')} / {found.get(f'{g}_windows')})"
+                   for g in groups],
+                 *([pct(found.get("found_all"))] if groups else []),
                  found["planted_windows"], found["decoy_windows"], found["filler_windows"]]
-                for kind, found in {"token": labels, **known["kinds"]}.items()]
+                for kind, found in kinds.items()]
         lines += ["", "Each label kind against the planted facts (windows for token and cache-level labels, units for "
-                  "joint labels):", "",
-                  table(["label kind", "recall", "precision", "planted", "decoy", "filler"], rows)]
+                  "joint labels)" + (": recall per copy or hop of the needed notes, and the share of traces in which "
+                                     "every needed note was found" if groups else "") + ":", "",
+                  table(["label kind", "recall", "precision", *[f"{g} recall" for g in groups],
+                         *(["all found"] if groups else []), "planted", "decoy", "filler"], rows)]
     if known["auc"]:
         rows = [[r["scorer"], fmt(r["auc_decoy"]), f"[{fmt(r['auc_decoy_lo'])}, {fmt(r['auc_decoy_hi'])}]",
                  fmt(r["auc_filler"]), f"[{fmt(r['auc_filler_lo'])}, {fmt(r['auc_filler_hi'])}]", r["traces"]]
@@ -697,12 +709,23 @@ def write_report(result) -> Path:
         *(["## 5. Does the offline statistic predict eviction?", "", predictive_section(result, ranking, comparisons),
            ""] if not is_long_context(c.dataset) else []),
         "## Reproduce", "", reproduce_section(result, summary), "",
+        f"Every trace, token by token (labels, each scorer's scores, what each policy kept): [{VIEWER}]({VIEWER}).", "",
         f"Wall time of this invocation: {result.seconds:.0f} s.", "",
     ]
     path = result.out / "report.md"
     with atomic_write(path) as handle:
         handle.write("\n".join(parts))
     return path
+
+
+def write_viewer(result) -> Path:
+    """The study's trace viewer (`figures.trace`): every trace's tokens coloured by labels, scores and kept sets."""
+    from figures.trace import write_study_viewer
+
+    return write_study_viewer(result.out, model=result.config.model,
+                              traces_file=stages.traces_file(result.config, result["traces"], stages.Paths(result.out)),
+                              stages={name: result.out / record.path for name, record in result.stages.items()
+                                      if record.path})
 
 
 def ran_known(result) -> bool:

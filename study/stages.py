@@ -577,7 +577,8 @@ def sweep_config(config: StudyConfig, configs: dict[str, dict[str, Any]], refere
                        budgets=config.budgets,
                        protocol=config.protocol, protocol_settings=settings,
                        policy_params={c["policy"]: c["params"] for c in configs.values()},
-                       reference=str(reference), batch_size=config.batch_size)
+                       reference=str(reference), batch_size=config.batch_size,
+                       keep_log=True)  # the trace viewer draws what each KV head kept; a keep-log changes no token
 
 
 def evictor_stage(config: StudyConfig, traces: Outputs, labels: Outputs, selection: Outputs, known: Outputs,
