@@ -27,7 +27,10 @@ MARKER = "<!-- readme-pipeline -->"
 # Smaller sizes for the tiny model; every other argument is the README's.
 SIZES = {"--limit": "6", "--max-new-tokens": "96"}
 EXTRA = {
-    "labeling.occlusion": ["--window", "8", "--stride", "4", "--max-answer-tokens", "4"],
+    # A random-init model writes no answer cue: its traces are labelled by free regeneration, read as EpiKV reads it
+    # (cue + continuation), so the pipeline's later stages get labels to work on.
+    "labeling.occlusion": ["--window", "8", "--stride", "4", "--max-answer-tokens", "4", "--no-force-answer",
+                           "--no-stop-at-answer"],
     "validation.select": ["--n-boot", "100"],
     "validation.compare": ["--n-boot", "200"],
     "evictor.run": ["--quiet"],
