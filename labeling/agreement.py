@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.schemas import Label
 from labeling.windows import NO_ANSWER_RULES, SAME
@@ -131,3 +132,20 @@ def label_agreement(a: Iterable[Label], b: Iterable[Label]) -> Agreement:
         flipped_b=_share(windows_b),
         outcome_pairs=dict(sorted(pairs.items())),
     )
+
+
+def pairwise_agreement(sets: dict[str, list[Label]]) -> list[dict[str, Any]]:
+    """One row per pair of label sets of the same traces (in the order given, the first of each pair as A): the
+    `Agreement` of the two, flattened for a table."""
+    names = list(sets)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            found = label_agreement(sets[a], sets[b])
+            rows.append({"a": a, "b": b, "traces": found.traces, "positions": found.positions,
+                         "agreement": found.agreement, "kappa": found.kappa, "important_a": found.important_a,
+                         "important_b": found.important_b, "windows": found.windows,
+                         "window_agreement": found.window_agreement, "window_kappa": found.window_kappa,
+                         "flipped_a": found.flipped_a, "flipped_b": found.flipped_b,
+                         "outcome_pairs": found.outcome_pairs})
+    return rows

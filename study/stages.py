@@ -269,7 +269,7 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
     """The first --agreement-traces labelled traces (default all) relabelled with each other replacement (auto: the
     pad token where it is harmless; the neutral space token; deletion), and the agreement of every pair of label sets
     (`labeling.agreement`: Cohen's kappa per position and per window, and how window outcomes move)."""
-    from labeling.agreement import label_agreement
+    from labeling.agreement import pairwise_agreement
     from labeling.job import NothingLabelled, OcclusionJob, run_occlusion
 
     ids = labels["labelled_ids"][: config.agreement_traces]
@@ -298,17 +298,7 @@ def agreement_stage(config: StudyConfig, traces: Outputs, labels: Outputs, path:
             continue
         sets[chosen], files[chosen] = result.labels, paths.rel(result.labels_path)
         tokens[chosen] = replacement.get("token_id")
-    names = list(sets)
-    rows = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            found = label_agreement(sets[a], sets[b])
-            rows.append({"a": a, "b": b, "traces": found.traces, "positions": found.positions,
-                         "agreement": found.agreement, "kappa": found.kappa, "important_a": found.important_a,
-                         "important_b": found.important_b, "windows": found.windows,
-                         "window_agreement": found.window_agreement, "window_kappa": found.window_kappa,
-                         "flipped_a": found.flipped_a, "flipped_b": found.flipped_b,
-                         "outcome_pairs": found.outcome_pairs})
+    rows = pairwise_agreement(sets)
     return {"traces": ids, "files": files, "rows": rows, "unavailable": unavailable}
 
 

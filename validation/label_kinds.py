@@ -43,7 +43,7 @@ from core.cli import ArgumentParser, main_guard
 from core.errors import UsageError
 from core.rundir import RunDir
 from core.schemas import Label, read_records
-from labeling.agreement import label_agreement
+from labeling.agreement import pairwise_agreement
 from labeling.breakdown import effect_breakdown
 from labeling.labeler import INTERVENTIONS
 
@@ -58,18 +58,6 @@ def kind_of(labels: list[Label]) -> str:
 
 def places_rows(sets: dict[str, list[Label]]) -> list[dict[str, Any]]:
     return [{"kind": name, **row} for name, labels in sets.items() for row in effect_breakdown(labels)]
-
-
-def agreement_rows(sets: dict[str, list[Label]]) -> list[dict[str, Any]]:
-    names = list(sets)
-    rows = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            found = label_agreement(sets[a], sets[b])
-            rows.append({"a": a, "b": b, "traces": found.traces, "positions": found.positions,
-                         "kappa": found.kappa, "important_a": found.important_a, "important_b": found.important_b,
-                         "windows": found.windows, "window_kappa": found.window_kappa})
-    return rows
 
 
 def _fmt(value: Any) -> str:
@@ -263,7 +251,7 @@ def _run(argv: list[str] | None) -> int:
             raise UsageError(f"--study {args.study!r} holds {len(replay_files)} replayed score files "
                              "(stages/signals-*/replay.jsonl.gz); give a study with one signals stage")
         deployed = deployed_differences(Path(args.study))
-    places, agreement = places_rows(sets), agreement_rows(sets)
+    places, agreement = places_rows(sets), pairwise_agreement(sets)
     text = markdown(places, agreement, files)
     if args.study is not None:
         scorers = scorer_rows(scorer_rhos(sets, replayed_scores(replay_files[0])))
