@@ -154,3 +154,29 @@ def test_a_resume_over_a_damaged_output_opens_no_file_for_writing(tmp_path, dama
     after = {path.name: (path.read_bytes(), os.stat(path).st_mtime_ns, os.stat(path).st_ino)
              for path in out.iterdir()}
     assert after == before and (out / "config.json").read_bytes() == config
+
+
+# ---------------------------------------------------------------------------------------------------- at the limit
+def test_a_generation_just_under_the_limit_runs_and_just_over_it_is_refused(tiny_dir, tmp_path, capsys):
+    """tasks.run on the tiny model: --max-memory at its estimate (rounded up to the KiB) runs and writes its traces;
+    one KiB below the estimate is refused in one line naming it, with nothing written."""
+    from conftest import write_arithmetic_problems
+
+    from models.loading import load_tokenizer
+    from tasks.prompts import build_prompt_ids
+    from tasks.run import GenerationConfig, main
+
+    data = write_arithmetic_problems(tmp_path / "problems.jsonl", 2)
+    config = GenerationConfig(dataset="gsm8k", model=str(tiny_dir), data_file=data, max_new_tokens=4)
+    tokenizer = load_tokenizer(str(tiny_dir))
+    prompts = {p.id: build_prompt_ids(tokenizer, p) for p in config.problems()}
+    estimate = config.footprint([len(ids) for ids in prompts.values()]).total  # serial: the driver is the worker
+    kib = -(-estimate // 1024)
+    argv = ["--model", str(tiny_dir), "--dataset", "gsm8k", "--data-file", data, "--max-new-tokens", "4", "--quiet"]
+    below = tmp_path / "below"
+    assert main([*argv, "--max-memory", f"{kib - 1}KiB", "--out", str(below)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than --max-memory" in err[0] and not below.exists()
+    at = tmp_path / "at"
+    assert main([*argv, "--max-memory", f"{kib}KiB", "--out", str(at)]) == 0
+    assert len((at / "generations.jsonl").read_text().splitlines()) == 2
