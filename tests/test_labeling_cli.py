@@ -180,8 +180,8 @@ def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, traces, capsys, ex
 
 @pytest.mark.parametrize("extra, message", [
     (["--intervention", "prune"], "invalid choice: 'prune'"),
-    (["--intervention", "joint", "--budget", "0"], "budget 0.0 is not a share of the trace in (0, 1]"),
-    (["--intervention", "joint", "--budget", "1.5"], "budget 1.5 is not a share of the trace in (0, 1]"),
+    (["--intervention", "joint", "--budget", "0"], "--budget: must be in (0, 1], got 0"),
+    (["--intervention", "joint", "--budget", "1.5"], "--budget: must be in (0, 1], got 1.5"),
     (["--intervention", "joint", "--draws", "0"], "--draws"),
     (["--intervention", "joint", "--window", "400"], "larger than every trace"),
     (["--intervention", "cache", "--no-force-answer"], "forces the answer from a pruned cache"),
