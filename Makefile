@@ -10,11 +10,12 @@ LAB_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-# The study; its output ends with the report's path and its trace viewer's (figures.trace).
+# The study of a known-answer case recency cannot win (the needed fact stated twice, both copies before a decoy);
+# its output ends with the report's path and its trace viewer's (figures.trace).
 demo: setup
-	@source scripts/env.sh && $(PY) -m study --model smollm2-135m --dataset known_facts --limit 6 --max-new-tokens 8 \
-		--budget 0.5 --stride 32 --agreement-traces 2 --batch-size 1 --scorers epikv,valuediff,keydiff,h2o,recency,random \
-		--out $(OUT)
+	@source scripts/env.sh && $(PY) -m study --model smollm2-135m --dataset known_facts@1+first+twice --limit 6 \
+		--max-new-tokens 8 --budget 0.5 --stride 32 --agreement-traces 2 --batch-size 1 --labels token,joint \
+		--scorers epikv,valuediff,keydiff,h2o,recency,random --out $(OUT)
 
 # JupyterLab on notebooks/: it prints the URL with its access token and opens no browser (as root, e.g. in a
 # container, it must be allowed to run as root).

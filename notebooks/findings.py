@@ -354,9 +354,9 @@ add("at equal KV memory every evictor serves several times full attention's thro
 # %% [markdown]
 # ## The labeller against known answers
 #
-# The constructed known-answer traces of `make demo` (`results/known-facts-smollm2/`): the windows that flipped, by
-# whether they overlap the needed code, a decoy's or only filler, and each scorer's AUC for ranking the needed code
-# above a decoy's code and above filler.
+# The constructed known-answer traces of the earlier demo (`results/known-facts-smollm2/`, the needed note last): the
+# windows that flipped, by whether they overlap the needed code, a decoy's or only filler, and each scorer's AUC for
+# ranking the needed code above a decoy's code and above filler.
 
 # %%
 known_dir = root / "known-facts-smollm2"

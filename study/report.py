@@ -644,11 +644,16 @@ def known_section(result) -> str:
                  fmt(r["auc_filler"]), f"[{fmt(r['auc_filler_lo'])}, {fmt(r['auc_filler_hi'])}]", r["traces"]]
                 for r in sorted(known["auc"], key=lambda r: -min(np.nan_to_num(r["auc_decoy"]),
                                                                np.nan_to_num(r["auc_filler"])))]
+        from tasks.known_answer import parse_name
+
+        case = parse_name(result.config.dataset)
+        position = ("every needed note precedes the decoys, so a score that grows with position loses against them "
+                    "by construction" if case is not None and case.layout == "first" else
+                    "every decoy precedes the needed note, so a score that grows with position wins against the "
+                    "decoys by construction, not against the filler after the needed note")
         lines += ["", "Each replayed scorer (its own aggregate score, higher = keep): the probability that a token of "
                   "the needed value scores above a token of a decoy's value, and above a filler token, per trace, "
-                  "averaged, with a bootstrap over traces (0.5 is chance; every decoy precedes the needed note, so "
-                  "a score that grows with position wins against the decoys by construction, not against the filler "
-                  "after the needed note):", "",
+                  f"averaged, with a bootstrap over traces (0.5 is chance; {position}):", "",
                   table(["scorer", "AUC vs decoys", "interval", "AUC vs filler", "interval", "traces"], rows)]
     return "\n".join(lines)
 
