@@ -37,6 +37,7 @@ import numpy as np
 
 from core.cli import ArgumentParser, add_device_arguments, main_guard, positive_int, seed_int
 from core.errors import UsageError
+from core.paths import portable_path
 from core.rundir import RunDir, source_revision
 from core.schemas import Label, read_records
 from core.seeds import derive_seed
@@ -120,7 +121,8 @@ class ForcedConfig:
         data = dataclasses.asdict(self)
         data.pop("device")
         data.pop("max_memory")
-        return {**data, "labels": str(Path(self.labels).resolve()), "budgets": [b.to_json() for b in self.budgets]}
+        return {**data, "labels": portable_path(str(Path(self.labels).resolve())),
+                "budgets": [b.to_json() for b in self.budgets]}
 
 
 def read_plans(path: str, limit: int | None = None) -> tuple[list[ForcedPlan], str]:

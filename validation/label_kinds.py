@@ -41,6 +41,7 @@ import numpy as np
 
 from core.cli import ArgumentParser, main_guard
 from core.errors import UsageError
+from core.paths import portable_path
 from core.rundir import RunDir
 from core.schemas import Label, read_records
 from labeling.agreement import pairwise_agreement
@@ -99,14 +100,6 @@ def markdown(places: list[dict[str, Any]], agreement: list[dict[str, Any]], file
 POSITION = "position"
 
 
-def _spearman(a: list[float], b: list[float]) -> float | None:
-    from scipy import stats
-
-    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
-        return None
-    return float(stats.spearmanr(a, b).statistic)
-
-
 def replayed_scores(path: Path) -> dict[str, dict[str, Any]]:
     """Per trace id: its reasoning span and each replayed scorer's aggregated score per position (a signals
     stage's ``replay.jsonl.gz``, or the same file unpacked)."""
@@ -128,7 +121,7 @@ def scorer_rhos(sets: dict[str, list[Label]], replay: dict[str, dict[str, Any]])
     """Per (kind, scorer): the within-trace Spearman rho of the scorer's score with the kind's graded importance on
     every labelled trace the replay holds; per (``position``, scorer): the scorer's rho with position on the traces
     of the first kind."""
-    from validation.validity import graded_importance
+    from validation.validity import graded_importance, spearman
 
     rhos: dict[tuple[str, str], list[float]] = {}
     first = next(iter(sets))
@@ -140,13 +133,13 @@ def scorer_rhos(sets: dict[str, list[Label]], replay: dict[str, dict[str, Any]])
             importance = graded_importance(label.windows, trace["reasoning"])
             for scorer, scores in trace["scores"].items():
                 kept = [p for p in importance if scores.get(p) is not None]
-                rho = _spearman([scores[p] for p in kept], [importance[p] for p in kept])
-                if rho is not None:
+                rho = spearman(np.array([scores[p] for p in kept]), np.array([importance[p] for p in kept]))
+                if np.isfinite(rho):
                     rhos.setdefault((kind, scorer), []).append(rho)
                 if kind == first:
                     span = [p for p in trace["reasoning"] if scores.get(p) is not None]
-                    rho = _spearman([scores[p] for p in span], [float(p) for p in span])
-                    if rho is not None:
+                    rho = spearman(np.array([scores[p] for p in span]), np.array(span, dtype=float))
+                    if np.isfinite(rho):
                         rhos.setdefault((POSITION, scorer), []).append(rho)
     return rhos
 
@@ -257,8 +250,9 @@ def _run(argv: list[str] | None) -> int:
         scorers = scorer_rows(scorer_rhos(sets, replayed_scores(replay_files[0])))
         validity = validity_rows(scorers, deployed)
         text += validity_markdown(scorers, validity, args.study)
-    identity = {"labels": {name: str(Path(file).resolve()) for name, file in files.items()},
-                "study": None if args.study is None else str(Path(args.study).resolve())}
+    # spelled from the checkout (core.paths), so a committed output names no machine's directories
+    identity = {"labels": {name: portable_path(str(Path(file).resolve())) for name, file in files.items()},
+                "study": None if args.study is None else portable_path(str(Path(args.study).resolve()))}
     with RunDir(args.out, identity) as run:
         out = run.path
         write_csv(out / "places.csv", places)

@@ -93,7 +93,8 @@ def points(table: Table, measure: Measure, weights: np.ndarray | None = None) ->
     return x, y
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rho over the pairs both define; NaN with fewer than 3 of them or a constant side."""
     from scipy import stats
 
     ok = np.isfinite(x) & np.isfinite(y)
@@ -111,16 +112,16 @@ def across_scorers(x: np.ndarray, y: np.ndarray, n_perm: int = DEFAULT_N_PERM,
     import itertools
     import math
 
-    rho = _spearman(x.ravel(), y.ravel())
+    rho = spearman(x.ravel(), y.ravel())
     if not np.isfinite(rho):
         return rho, float("nan")
     scorers = x.shape[0]
     if math.factorial(scorers) <= n_perm:
         orders = [list(order) for order in itertools.permutations(range(scorers))]
-        count = sum(abs(_spearman(x[order].ravel(), y.ravel())) >= abs(rho) - 1e-12 for order in orders)
+        count = sum(abs(spearman(x[order].ravel(), y.ravel())) >= abs(rho) - 1e-12 for order in orders)
         return rho, count / len(orders)
     rng = rng or np.random.default_rng(0)
-    count = sum(abs(_spearman(x[rng.permutation(scorers)].ravel(), y.ravel())) >= abs(rho) - 1e-12
+    count = sum(abs(spearman(x[rng.permutation(scorers)].ravel(), y.ravel())) >= abs(rho) - 1e-12
                 for _ in range(n_perm))
     return rho, (count + 1) / (n_perm + 1)
 
@@ -171,7 +172,7 @@ def validity(table: Table, name: str, n_perm: int = DEFAULT_N_PERM, n_boot: int 
     for _ in range(n_boot):
         weights = np.bincount(rng.integers(0, problems, problems), minlength=problems).astype(float)
         bx, by = points(table, measure, weights)
-        rhos.append(_spearman(bx.ravel(), by.ravel()))
+        rhos.append(spearman(bx.ravel(), by.ravel()))
         total = (pairs * weights).sum()
         rates.append((agree * weights).sum() / total if total else np.nan)
     tail = (1 - level) / 2
